@@ -1,0 +1,569 @@
+"""`GradientAccumulator`: the accumulation primitive (TensorFlow backend)."""
+
+import numbers
+
+import tensorflow as tf
+from keras import optimizers
+
+NON_FINITE_POLICIES = ("auto", "skip_window", "drop_micro_batch", "propagate")
+
+
+def validate_steps(value, name="gradient_accumulation_steps"):
+    """Returns `value` as an int, or raises a `ValueError` in Keras' style."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < 1
+    ):
+        raise ValueError(
+            f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def validate_policy(value):
+    if value not in NON_FINITE_POLICIES:
+        raise ValueError(
+            "`non_finite_policy` must be one of "
+            f"{', '.join(repr(p) for p in NON_FINITE_POLICIES)}. "
+            f"Received: non_finite_policy={value!r}"
+        )
+    return value
+
+
+def is_loss_scale_optimizer(optimizer):
+    return isinstance(optimizer, optimizers.LossScaleOptimizer)
+
+
+def _buffer_dtype(variable):
+    # Never accumulate in less than float32; keep float64 variables exact.
+    return tf.float64 if tf.as_dtype(variable.dtype) == tf.float64 else (
+        tf.float32
+    )
+
+
+def _state_variable(initial_value, dtype, name, aggregation):
+    """A non-trainable variable that is local to each replica."""
+    return tf.Variable(
+        initial_value,
+        dtype=dtype,
+        name=name,
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=aggregation,
+    )
+
+
+def _in_multi_replica_context():
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.num_replicas_in_sync > 1
+
+
+class GradientAccumulator(tf.Module):
+    """Accumulates micro-batch gradients and applies their exact window mean.
+
+    Each micro-batch contributes its gradients with a `weight`: the
+    normaliser its mean loss was divided by (the number of samples, of valid
+    pixels, or the sum of sample weights). After `gradient_accumulation_steps`
+    micro-batches the optimizer is applied once to
+
+        sum_k(weight_k * gradients_k) / sum_k(weight_k),
+
+    which is the gradient of the mean loss over all samples of the window,
+    i.e. what one big batch would give. Gradients are accumulated in float32
+    buffers (float64 for float64 variables), one per variable, created once.
+
+    State (all `tf.Variable`s, local to each replica under `tf.distribute`):
+    `micro_step` (micro-batches in the current window), `weight_sum`,
+    `accumulated` (micro-batches whose gradients were added),
+    `update_applied` (whether the last step applied an update),
+    `skipped_windows` and `dropped_micro_batches` (the non-finite policy's
+    counts). With `gradient_accumulation_steps=1` no buffers are allocated
+    and gradients pass straight to the optimizer.
+
+    Loss scaling: with a `keras.optimizers.LossScaleOptimizer`, each
+    micro-batch's gradients are unscaled by the scale in force when its loss
+    was scaled before they are added, and the update goes to the inner
+    optimizer, so `iterations`, schedules, EMA, weight decay and clipping see
+    one step per window. The loss scale grows after `dynamic_growth_steps`
+    *updates*.
+
+    Non-finite policy (`non_finite_policy`):
+    - `"skip_window"`: a window with any non-finite micro-batch is skipped
+      whole: weights, optimizer slots and `iterations` are unchanged, the
+      buffers are reset and a loss scale is halved once.
+    - `"drop_micro_batch"`: only the non-finite micro-batch is dropped; the
+      window is normalised by what remains (a loss scale is halved at once).
+      A window with nothing left is skipped.
+    - `"propagate"`: no check, like `keras.Model` without loss scaling.
+    - `"auto"` (default): `"skip_window"` with a `LossScaleOptimizer`,
+      otherwise `"propagate"`.
+
+    Args:
+        gradient_accumulation_steps: int >= 1, micro-batches per update.
+        non_finite_policy: str, one of the policies above.
+        name: str, the module's name.
+
+    Raises:
+        ValueError: for an invalid argument.
+
+    Example:
+
+    ```python
+    import keras
+    import tensorflow as tf
+    import keras_accum
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    accumulator = keras_accum.GradientAccumulator(gradient_accumulation_steps=2)
+    x, y = tf.ones((4, 3)), tf.zeros((4, 1))
+    for x_k, y_k in [(x[:2], y[:2]), (x[2:], y[2:])]:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y_k, model(x_k))
+            loss = tf.reduce_mean(loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        accumulator.accumulate_and_maybe_apply(
+            grads, optimizer, model.trainable_variables, weight=2
+        )
+    assert int(optimizer.iterations) == 1
+    ```
+    """
+
+    def __init__(
+        self,
+        gradient_accumulation_steps,
+        non_finite_policy="auto",
+        name="gradient_accumulator",
+    ):
+        super().__init__(name=name)
+        self.gradient_accumulation_steps = validate_steps(
+            gradient_accumulation_steps
+        )
+        self.non_finite_policy = validate_policy(non_finite_policy)
+        self._variable_ids = None
+        self._buffers = []
+        self._grad_is_none = None
+        self._weight_dtype = tf.float32
+        with tf.init_scope():
+            sum_ = tf.VariableAggregation.SUM
+            first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+            self.micro_step = _state_variable(0, tf.int64, "micro_step", first)
+            self.accumulated = _state_variable(
+                0, tf.int64, "accumulated", first
+            )
+            self.update_applied = _state_variable(
+                False, tf.bool, "update_applied", first
+            )
+            self.skipped_windows = _state_variable(
+                0, tf.int64, "skipped_windows", first
+            )
+            self.dropped_micro_batches = _state_variable(
+                0, tf.int64, "dropped_micro_batches", first
+            )
+            self._weight_sum = None
+            del sum_
+
+    # ------------------------------------------------------------------
+    # Building
+    # ------------------------------------------------------------------
+    @property
+    def built(self):
+        return self._variable_ids is not None
+
+    @property
+    def weight_sum(self):
+        """The sum of the weights accumulated in the current window."""
+        return self._weight_sum
+
+    def build(self, variables):
+        """Creates one buffer per variable; a no-op for the same variables.
+
+        Args:
+            variables: list of the (trainable) variables to accumulate for.
+
+        Raises:
+            ValueError: if gradients are pending for other variables.
+        """
+        variables = list(variables)
+        ids = [id(v) for v in variables]
+        if ids == self._variable_ids:
+            return
+        with tf.init_scope():
+            if self.built and tf.executing_eagerly():
+                if int(self.micro_step.numpy()) > 0:
+                    raise ValueError(
+                        "The trainable variables changed while a window of "
+                        f"{int(self.micro_step.numpy())} micro-batches is "
+                        "pending. Call `flush()` first so that no gradients "
+                        "are lost."
+                    )
+            dtypes = [_buffer_dtype(v) for v in variables]
+            weight_dtype = (
+                tf.float64 if tf.float64 in dtypes else tf.float32
+            )
+            if self._weight_sum is None or weight_dtype != self._weight_dtype:
+                self._weight_dtype = weight_dtype
+                self._weight_sum = _state_variable(
+                    tf.zeros((), weight_dtype),
+                    weight_dtype,
+                    "weight_sum",
+                    tf.VariableAggregation.SUM,
+                )
+            self._buffers = []
+            if self.gradient_accumulation_steps > 1:
+                for v, dtype in zip(variables, dtypes):
+                    self._buffers.append(
+                        _state_variable(
+                            tf.zeros(v.shape, dtype),
+                            dtype,
+                            "accumulated_" + _short_name(v),
+                            tf.VariableAggregation.SUM,
+                        )
+                    )
+            self.micro_step.assign(0)
+            self.accumulated.assign(0)
+        self._variable_ids = ids
+        self._grad_is_none = None
+
+    # ------------------------------------------------------------------
+    # Public step API
+    # ------------------------------------------------------------------
+    def accumulate_and_maybe_apply(
+        self, gradients, optimizer, variables, weight=1.0
+    ):
+        """Adds one micro-batch; applies the window once it is complete.
+
+        Args:
+            gradients: list of gradients (tensors, `IndexedSlices` or `None`),
+                one per variable, of the micro-batch's (possibly
+                loss-scaled) mean loss.
+            optimizer: the `keras.optimizers.Optimizer` (a
+                `LossScaleOptimizer` is detected and handled).
+            variables: list of the variables the gradients belong to.
+            weight: scalar, the normaliser of the micro-batch's mean loss
+                (e.g. its number of samples), or `None` if the loss is a sum.
+
+        Returns:
+            A boolean tensor: whether an optimizer update was applied.
+        """
+        variables = list(variables)
+        gradients = list(gradients)
+        if len(gradients) != len(variables):
+            raise ValueError(
+                "`gradients` and `variables` must have the same length. "
+                f"Received: {len(gradients)} gradients and "
+                f"{len(variables)} variables."
+            )
+        self.build(variables)
+        self._grad_is_none = [g is None for g in gradients]
+        policy = self._resolve_policy(optimizer)
+        scale = self._loss_scale(optimizer)
+        if scale is not None:
+            gradients = [
+                None if g is None else _scale(g, 1.0 / scale) for g in gradients
+            ]
+        if self.gradient_accumulation_steps == 1:
+            finite = self._all_finite(gradients, policy)
+            applied = self._finish_window(
+                optimizer, variables, lambda: gradients, finite, policy
+            )
+        else:
+            self._accumulate(gradients, weight, optimizer, policy)
+            applied = self._maybe_finish(optimizer, variables, policy)
+        return applied
+
+    def flush(self, optimizer, variables):
+        """Applies a partially filled window, if any; a no-op otherwise.
+
+        Args:
+            optimizer: the optimizer, as for `accumulate_and_maybe_apply`.
+            variables: the variables, as for `accumulate_and_maybe_apply`.
+
+        Returns:
+            A boolean tensor: whether an update was applied.
+        """
+        if not self.built or self.gradient_accumulation_steps == 1:
+            return tf.constant(False)
+        policy = self._resolve_policy(optimizer)
+        return self._maybe_finish(
+            optimizer, list(variables), policy, partial=True
+        )
+
+    def reset(self):
+        """Discards the pending window (buffers, weight sum, counters)."""
+        for buffer in self._buffers:
+            buffer.assign(tf.zeros_like(buffer))
+        if self._weight_sum is not None:
+            self._weight_sum.assign(tf.zeros_like(self._weight_sum))
+        self.micro_step.assign(0)
+        self.accumulated.assign(0)
+
+    # ------------------------------------------------------------------
+    # Internals
+    # ------------------------------------------------------------------
+    def _resolve_policy(self, optimizer):
+        lso = is_loss_scale_optimizer(optimizer)
+        if self.non_finite_policy == "auto":
+            return "skip_window" if lso else "propagate"
+        if lso and self.non_finite_policy == "propagate":
+            raise ValueError(
+                "`non_finite_policy='propagate'` cannot be used with a "
+                "`LossScaleOptimizer`: an overflow must not reach the "
+                "weights. Use 'skip_window' or 'drop_micro_batch'."
+            )
+        return self.non_finite_policy
+
+    @staticmethod
+    def _loss_scale(optimizer):
+        if is_loss_scale_optimizer(optimizer):
+            return tf.cast(optimizer.dynamic_scale, tf.float32)
+        return None
+
+    @staticmethod
+    def _all_finite(gradients, policy):
+        if policy == "propagate":
+            return None
+        checks = [
+            tf.reduce_all(
+                tf.math.is_finite(
+                    g.values if isinstance(g, tf.IndexedSlices) else g
+                )
+            )
+            for g in gradients
+            if g is not None
+        ]
+        return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+    def _accumulate(self, gradients, weight, optimizer, policy):
+        if weight is None:
+            coefficient = tf.ones((), self._weight_dtype)
+            weight_increment = tf.zeros((), self._weight_dtype)
+        else:
+            coefficient = tf.cast(weight, self._weight_dtype)
+            weight_increment = coefficient
+
+        def add():
+            for buffer, g in zip(self._buffers, gradients):
+                if g is None:
+                    continue
+                c = tf.cast(coefficient, buffer.dtype)
+                if isinstance(g, tf.IndexedSlices):
+                    buffer.scatter_add(
+                        tf.IndexedSlices(
+                            tf.cast(g.values, buffer.dtype) * c,
+                            g.indices,
+                            g.dense_shape,
+                        )
+                    )
+                else:
+                    buffer.assign_add(tf.cast(g, buffer.dtype) * c)
+            self._weight_sum.assign_add(weight_increment)
+            self.accumulated.assign_add(1)
+            return tf.constant(True)
+
+        finite = self._all_finite(gradients, policy)
+        if finite is None:
+            add()
+        else:
+
+            def drop():
+                self.dropped_micro_batches.assign_add(
+                    1 if policy == "drop_micro_batch" else 0
+                )
+                if policy == "drop_micro_batch" and is_loss_scale_optimizer(
+                    optimizer
+                ):
+                    _shrink_loss_scale(optimizer)
+                return tf.constant(False)
+
+            tf.cond(finite, add, drop)
+        self.micro_step.assign_add(1)
+
+    def _window_grads(self):
+        divisor = tf.where(
+            self._weight_sum > 0,
+            self._weight_sum,
+            tf.ones((), self._weight_dtype),
+        )
+        return [
+            None if is_none else b / tf.cast(divisor, b.dtype)
+            for b, is_none in zip(self._buffers, self._grad_is_none)
+        ]
+
+    def _window_ok(self, policy):
+        if policy == "propagate":
+            return tf.constant(True)
+        if policy == "skip_window":
+            return tf.equal(self.accumulated, self.micro_step)
+        return self.accumulated > 0
+
+    def _maybe_finish(self, optimizer, variables, policy, partial=False):
+        if partial:
+            ready = self.micro_step > 0
+        else:
+            ready = self.micro_step >= self.gradient_accumulation_steps
+        if _in_multi_replica_context():
+            return self._maybe_finish_distributed(
+                optimizer, variables, policy, ready
+            )
+
+        def finish():
+            applied = self._finish_window(
+                optimizer,
+                variables,
+                self._window_grads,
+                self._window_ok(policy),
+                policy,
+            )
+            self.reset()
+            return applied
+
+        def wait():
+            self.update_applied.assign(False)
+            return tf.constant(False)
+
+        return tf.cond(ready, finish, wait)
+
+    def _finish_window(self, optimizer, variables, grads_fn, ok, policy):
+        """Applies `grads_fn()` if `ok`, else skips; handles loss scaling."""
+        lso = is_loss_scale_optimizer(optimizer)
+        target = optimizer.inner_optimizer if lso else optimizer
+
+        def apply():
+            target.apply(grads_fn(), variables)
+            if lso:
+                _grow_loss_scale(optimizer)
+            return tf.constant(True)
+
+        def skip():
+            self.skipped_windows.assign_add(1)
+            if lso and policy == "skip_window":
+                _shrink_loss_scale(optimizer)
+            return tf.constant(False)
+
+        if ok is None:
+            applied = apply()
+        else:
+            applied = tf.cond(ok, apply, skip)
+        self.update_applied.assign(applied)
+        return applied
+
+    def _maybe_finish_distributed(self, optimizer, variables, policy, ready):
+        """The window's end under several replicas.
+
+        The decision (window complete, finite everywhere) and the
+        normaliser are global; the `tf.cond` runs in cross-replica context
+        because the optimizer's update calls `merge_call`. The gradients
+        are all-reduced once, by the optimizer, per update.
+        """
+        context = tf.distribute.get_replica_context()
+
+        def cross_replica(distribution, ready, accumulated, micro_step):
+            ready = distribution.experimental_local_results(ready)[0]
+            total_accumulated = distribution.reduce(
+                tf.distribute.ReduceOp.SUM, accumulated, axis=None
+            )
+            total_steps = distribution.reduce(
+                tf.distribute.ReduceOp.SUM, micro_step, axis=None
+            )
+            if policy == "propagate":
+                ok = tf.constant(True)
+            elif policy == "skip_window":
+                ok = tf.equal(total_accumulated, total_steps)
+            else:
+                ok = total_accumulated > 0
+            weight_sum = distribution.reduce(
+                tf.distribute.ReduceOp.SUM, self._local_weight_sum(), axis=None
+            )
+            lso = is_loss_scale_optimizer(optimizer)
+            target = optimizer.inner_optimizer if lso else optimizer
+
+            def replica_apply(weight_sum):
+                divisor = tf.where(
+                    weight_sum > 0, weight_sum, tf.ones_like(weight_sum)
+                )
+                # Each replica holds its own sum; the optimizer's SUM
+                # all-reduce then gives the global weighted sum.
+                grads = [
+                    None if is_none else b / tf.cast(divisor, b.dtype)
+                    for b, is_none in zip(self._buffers, self._grad_is_none)
+                ]
+                target.apply(grads, variables)
+
+            def apply():
+                distribution.extended.call_for_each_replica(
+                    replica_apply, args=(weight_sum,)
+                )
+                if lso:
+                    _grow_loss_scale(optimizer)
+                return tf.constant(True)
+
+            def skip():
+                if lso and policy == "skip_window":
+                    _shrink_loss_scale(optimizer)
+                return tf.constant(False)
+
+            def finish():
+                return tf.cond(ok, apply, skip)
+
+            return tf.cond(ready, finish, lambda: tf.constant(False))
+
+        applied = context.merge_call(
+            cross_replica,
+            args=(ready, self.accumulated.read_value(), self.micro_step.read_value()),
+        )
+
+        def reset_local():
+            for buffer in self._buffers:
+                buffer.assign(tf.zeros_like(buffer))
+            self._weight_sum.assign(tf.zeros_like(self._weight_sum))
+            self.micro_step.assign(0)
+            self.accumulated.assign(0)
+            return tf.constant(True)
+
+        # `applied` is False both while waiting and on a skipped window.
+        finished = ready
+        tf.cond(finished, reset_local, lambda: tf.constant(False))
+        skipped = tf.logical_and(finished, tf.logical_not(applied))
+        self.skipped_windows.assign_add(tf.cast(skipped, tf.int64))
+        self.update_applied.assign(applied)
+        return applied
+
+    def _local_weight_sum(self):
+        return self._weight_sum.read_value()
+
+
+def _scale(g, factor):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * tf.cast(factor, g.dtype)
+
+
+def _shrink_loss_scale(optimizer):
+    optimizer.step_counter.assign(0)
+    optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+
+
+def _grow_loss_scale(optimizer):
+    def upscale():
+        optimizer.step_counter.assign(0)
+        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+        return tf.constant(True)
+
+    def increment():
+        optimizer.step_counter.assign_add(1)
+        return tf.constant(False)
+
+    tf.cond(
+        tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
+        upscale,
+        increment,
+    )
+
+
+def _short_name(variable):
+    name = getattr(variable, "path", None) or getattr(variable, "name", "var")
+    return name.replace("/", "_").replace(":", "_")

@@ -1,0 +1,164 @@
+"""Recording the normaliser of each compiled loss term (TensorFlow backend).
+
+Keras reduces a loss to a mean: ``sum(weighted per-element losses) / D``.
+For the default reduction ``D`` is the number of elements, or, with a mask
+(``ignore_class``, a Keras mask on ``y_pred``), the number of valid elements;
+for ``reduction="mean_with_sample_weight"`` it is the sum of the sample
+weights. One big batch divides the sum over *all* its samples by the sum of
+the micro-batches' ``D``. To reproduce that exactly, each micro-batch's
+gradient is weighted by its own ``D`` and the window's sum is divided by the
+window's total ``D`` (see `GradientAccumulator`).
+
+This module computes ``D`` alongside the loss value, with the same Keras
+functions Keras itself uses, by wrapping the loss objects held by the
+model's ``CompileLoss``. The loss value is computed by exactly the same ops as
+in Keras, so what the model logs and differentiates is unchanged.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from keras import ops
+from keras.src.backend import name_scope
+from keras.src import backend
+from keras.src import tree
+from keras.src.losses import loss as keras_loss_module
+
+_state = threading.local()
+
+# Reductions whose value is a mean, i.e. `sum / normaliser`.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+class LossTerm:
+    """The normaliser of one loss term of one micro-batch.
+
+    Attributes:
+        normalizer: scalar tensor, the `D` the term's sum was divided by, or
+            `None` when the term is a plain sum (`reduction="sum"`).
+        data_dependent: bool, whether `D` depends on the data (a mask or
+            sample weights) rather than only on the number of samples.
+    """
+
+    def __init__(self, normalizer, data_dependent):
+        self.normalizer = normalizer
+        self.data_dependent = data_dependent
+
+
+class _Recording:
+    def __init__(self):
+        self.terms = []
+        self.unknown_terms = 0
+
+
+@contextlib.contextmanager
+def record_loss_terms():
+    """Records the `LossTerm`s of the compiled losses computed in the block."""
+    recording = _Recording()
+    previous = getattr(_state, "recording", None)
+    _state.recording = recording
+    try:
+        yield recording
+    finally:
+        _state.recording = previous
+
+
+def _normalizer(values, sample_weight, mask, reduction):
+    """The divisor Keras' `reduce_weighted_values` uses for `values`."""
+    dtype = values.dtype
+    if reduction == "mean_with_sample_weight" and (
+        sample_weight is not None or mask is not None
+    ):
+        weights = keras_loss_module.apply_mask(
+            sample_weight, mask, dtype=dtype, reduction=reduction
+        )
+        weights = ops.cast(weights, dtype)
+        _, weights = keras_loss_module.squeeze_or_expand_to_same_rank(
+            values, weights
+        )
+        return ops.sum(weights), True
+    if mask is not None:
+        # Keras rescales valid entries by `total / (valid + epsilon)`.
+        valid = ops.sum(ops.cast(mask, dtype))
+        return valid + ops.cast(backend.epsilon(), dtype), True
+    size = ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32"))
+    return ops.cast(size, dtype), False
+
+
+class RecordingLoss:
+    """Wraps a `keras.losses.Loss` so that its normaliser is recorded.
+
+    Outside `record_loss_terms()` it behaves exactly like the wrapped loss.
+    """
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    @property
+    def name(self):
+        return self.loss.name
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        recording = getattr(_state, "recording", None)
+        loss = self.loss
+        if recording is None:
+            return loss(y_true, y_pred, sample_weight)
+        reduction = keras_loss_module.standardize_reduction(loss.reduction)
+        if type(loss).__call__ is not keras_loss_module.Loss.__call__ or (
+            reduction not in _MEAN_REDUCTIONS + ("sum",)
+        ):
+            recording.unknown_terms += 1
+            return loss(y_true, y_pred, sample_weight)
+
+        # The same steps as `keras.losses.Loss.__call__`.
+        in_mask = backend.get_keras_mask(y_pred)
+        with name_scope(loss.name):
+            y_pred = tree.map_structure(
+                lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_pred
+            )
+            y_true = tree.map_structure(
+                lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_true
+            )
+            values = loss.call(y_true, y_pred)
+            out_mask = backend.get_keras_mask(values)
+            if in_mask is not None and out_mask is not None:
+                mask = in_mask & out_mask
+            elif in_mask is not None:
+                mask = in_mask
+            else:
+                mask = out_mask
+            value = keras_loss_module.reduce_weighted_values(
+                values,
+                sample_weight=sample_weight,
+                mask=mask,
+                reduction=reduction,
+                dtype=loss.dtype,
+            )
+            if reduction == "sum":
+                recording.terms.append(LossTerm(None, False))
+            else:
+                values = ops.convert_to_tensor(values, dtype=loss.dtype)
+                if sample_weight is not None:
+                    sample_weight = ops.convert_to_tensor(
+                        sample_weight, dtype=loss.dtype
+                    )
+                normalizer, data_dependent = _normalizer(
+                    values, sample_weight, mask, reduction
+                )
+                recording.terms.append(
+                    LossTerm(tf.stop_gradient(normalizer), data_dependent)
+                )
+        return value
+
+
+def install(compile_loss):
+    """Wraps the loss objects of a built `CompileLoss` (idempotent)."""
+    if compile_loss is None or not getattr(compile_loss, "built", False):
+        return
+    flat = getattr(compile_loss, "_flat_losses", None)
+    if not flat:
+        return
+    for i, entry in enumerate(flat):
+        if not isinstance(entry.loss, RecordingLoss):
+            flat[i] = entry._replace(loss=RecordingLoss(entry.loss))

@@ -1,0 +1,398 @@
+"""`GradientAccumulationModel`: a `keras.Model` that trains with accumulation."""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as keras_loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_accum import loss_normalizer
+from keras_accum.accumulator import GradientAccumulator
+from keras_accum.accumulator import is_loss_scale_optimizer
+from keras_accum.accumulator import validate_policy
+from keras_accum.accumulator import validate_steps
+
+_CONFIG_KEYS = (
+    "gradient_accumulation_steps",
+    "flush_at_epoch_end",
+    "non_finite_policy",
+)
+
+
+def _check_backend():
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "keras_accum requires the TensorFlow backend. Received: "
+            f"backend={keras.backend.backend()!r}. Set the environment "
+            "variable KERAS_BACKEND=tensorflow before importing keras."
+        )
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class GradientAccumulationModel(keras.Model):
+    """A `keras.Model` that applies one update every N micro-batches.
+
+    `fit()` feeds micro-batches as usual; their gradients are accumulated in
+    float32 buffers and every `gradient_accumulation_steps` micro-batches one
+    optimizer update is applied: the update that one batch holding all the
+    window's samples would give, to float tolerance. Each micro-batch's
+    gradient is weighted by the normaliser of its loss (its number of samples,
+    of valid pixels under `ignore_class` or a mask, or its sum of sample
+    weights for `reduction="mean_with_sample_weight"`), and the window's sum
+    is divided by the window's total, never a mean of per-micro-batch means.
+    `optimizer.iterations`, learning-rate schedules, EMA, weight decay and
+    clipping count updates. A partial window at the end of an epoch is
+    applied, normalised by what it holds, so an epoch equals one epoch of
+    `dataset.batch(N * B)`.
+
+    Use it like `keras.Model`: functional
+    (`GradientAccumulationModel(inputs, outputs, gradient_accumulation_steps=4)`),
+    subclassed (`class UNet(GradientAccumulationModel)` with a `call()`), or
+    around an existing model with `GradientAccumulationModel.from_model()`.
+    A subclass with its own `train_step` can use `self.gradient_accumulator`.
+
+    Args:
+        gradient_accumulation_steps: int >= 1, micro-batches per update.
+            `1` trains exactly like `keras.Model`.
+        flush_at_epoch_end: bool. If `True` (default) a partial window is
+            applied at the end of every epoch; if `False` it is carried over
+            into the next epoch and applied at the latest when `fit()` ends.
+        non_finite_policy: str, what to do with non-finite gradients:
+            `"auto"` (default: `"skip_window"` with a `LossScaleOptimizer`,
+            else `"propagate"`), `"skip_window"`, `"drop_micro_batch"` or
+            `"propagate"`. See `keras_accum.GradientAccumulator`.
+        *args, **kwargs: passed to `keras.Model`.
+
+    Raises:
+        ValueError: for an invalid argument, or at `compile()` for an
+            optimizer that accumulates gradients itself.
+        RuntimeError: if the Keras backend is not TensorFlow.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_accum
+
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = keras_accum.GradientAccumulationModel(
+        inputs, outputs, gradient_accumulation_steps=4
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((64, 8)), np.zeros((64, 1))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 2 updates
+    assert int(model.optimizer.iterations) == 2
+    ```
+    """
+
+    def __init__(
+        self,
+        *args,
+        gradient_accumulation_steps=1,
+        flush_at_epoch_end=True,
+        non_finite_policy="auto",
+        **kwargs,
+    ):
+        _check_backend()
+        steps = validate_steps(gradient_accumulation_steps)
+        if not isinstance(flush_at_epoch_end, bool):
+            raise ValueError(
+                "`flush_at_epoch_end` must be a bool. Received: "
+                f"flush_at_epoch_end={flush_at_epoch_end!r}"
+            )
+        validate_policy(non_finite_policy)
+        super().__init__(*args, **kwargs)
+        self.flush_at_epoch_end = flush_at_epoch_end
+        self.gradient_accumulator = GradientAccumulator(
+            steps, non_finite_policy=non_finite_policy
+        )
+        self._flush_function = None
+        self._warned_inexact = False
+
+    @property
+    def gradient_accumulation_steps(self):
+        return self.gradient_accumulator.gradient_accumulation_steps
+
+    @property
+    def non_finite_policy(self):
+        return self.gradient_accumulator.non_finite_policy
+
+    @property
+    def micro_step(self):
+        """int tensor: micro-batches accumulated in the current window."""
+        return self.gradient_accumulator.micro_step.read_value()
+
+    @property
+    def update_applied(self):
+        """bool tensor: whether the last train step applied an update."""
+        return self.gradient_accumulator.update_applied.read_value()
+
+    @property
+    def skipped_windows(self):
+        """int tensor: windows skipped by the non-finite policy."""
+        return self.gradient_accumulator.skipped_windows.read_value()
+
+    @classmethod
+    def from_model(cls, model, gradient_accumulation_steps, **kwargs):
+        """Wraps an existing functional or `Sequential` model.
+
+        The new model shares the layers (and so the weights) of `model`.
+
+        Args:
+            model: a built functional or `Sequential` `keras.Model`.
+            gradient_accumulation_steps: int >= 1, micro-batches per update.
+            **kwargs: other `GradientAccumulationModel` arguments.
+
+        Returns:
+            A `GradientAccumulationModel` with the same inputs and outputs.
+
+        Raises:
+            ValueError: if `model` has no symbolic inputs and outputs.
+
+        Example:
+
+        ```python
+        import keras
+        import keras_accum
+
+        base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model = keras_accum.GradientAccumulationModel.from_model(
+            base, gradient_accumulation_steps=8
+        )
+        ```
+        """
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs or not outputs:
+            raise ValueError(
+                "`from_model()` needs a functional or `Sequential` model with "
+                "defined inputs and outputs (e.g. built from `keras.Input`). "
+                f"Received: model={model.name!r} of type "
+                f"{type(model).__name__}. For a subclassed model, derive it "
+                "from `GradientAccumulationModel` instead of `keras.Model`."
+            )
+        if isinstance(model, keras.Sequential) or len(inputs) == 1:
+            inputs = inputs[0] if len(inputs) == 1 else inputs
+        if len(outputs) == 1:
+            outputs = outputs[0]
+        return cls(
+            inputs,
+            outputs,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=kwargs.pop("name", model.name),
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------
+    # Compile / fit plumbing
+    # ------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        super().compile(optimizer, *args, **kwargs)
+        inner = self.optimizer
+        if is_loss_scale_optimizer(inner):
+            inner = inner.inner_optimizer
+        if inner is not None and inner.gradient_accumulation_steps:
+            raise ValueError(
+                "The optimizer accumulates gradients itself "
+                "(`gradient_accumulation_steps="
+                f"{inner.gradient_accumulation_steps}`), and so does "
+                "`GradientAccumulationModel`: gradients would be accumulated "
+                "twice. Drop `gradient_accumulation_steps` from the optimizer "
+                "and set it on the model instead."
+            )
+        if self.optimizer is not None:
+            # Raises early for an incompatible policy.
+            self.gradient_accumulator._resolve_policy(self.optimizer)
+        self._flush_function = None
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        with self.distribute_strategy.scope():
+            self.gradient_accumulator.build(self.trainable_variables)
+        super().make_train_function(force=force)
+        inner = self.train_function
+
+        def train_function(iterator):
+            try:
+                return inner(iterator)
+            except StopIteration:
+                # The end of an epoch of unknown length.
+                if self.flush_at_epoch_end:
+                    self.flush_gradients()
+                raise
+
+        self.train_function = train_function
+        self._flush_function = None
+        return self.train_function
+
+    def fit(self, *args, callbacks=None, **kwargs):
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(_WindowFlush())
+        else:
+            callbacks = list(callbacks or []) + [_WindowFlush()]
+        return super().fit(*args, callbacks=callbacks, **kwargs)
+
+    def flush_gradients(self):
+        """Applies the pending partial window, if any.
+
+        Returns:
+            bool: whether an update was applied.
+        """
+        if (
+            self.optimizer is None
+            or not self.gradient_accumulator.built
+            or self.gradient_accumulation_steps == 1
+        ):
+            return False
+        if self._flush_function is None:
+
+            def flush_step():
+                return self.gradient_accumulator.flush(
+                    self.optimizer, self.trainable_variables
+                )
+
+            def flush():
+                result = self.distribute_strategy.run(flush_step)
+                return self.distribute_strategy.experimental_local_results(
+                    result
+                )[0]
+
+            self._flush_function = (
+                flush if self.run_eagerly else tf.function(flush)
+            )
+        if int(self.gradient_accumulator.micro_step.numpy()) == 0:
+            return False
+        return bool(self._flush_function())
+
+    # ------------------------------------------------------------------
+    # The train step
+    # ------------------------------------------------------------------
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        loss_normalizer.install(self._compile_loss)
+        batch_size = tf.shape(
+            next(i for i in tree.flatten(x) if i is not None)
+        )[0]
+
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            with loss_normalizer.record_loss_terms() as recording:
+                loss = self._compute_loss(
+                    x=x,
+                    y=y,
+                    y_pred=y_pred,
+                    sample_weight=sample_weight,
+                    training=True,
+                )
+            self._loss_tracker.update_state(
+                keras_loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=batch_size,
+            )
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+
+        if self.trainable_weights:
+            trainable_weights = self.trainable_weights
+            gradients = tape.gradient(loss, trainable_weights)
+            weight = self._micro_batch_weight(recording, batch_size)
+            self.gradient_accumulator.accumulate_and_maybe_apply(
+                gradients, self.optimizer, trainable_weights, weight=weight
+            )
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _micro_batch_weight(self, recording, batch_size):
+        """The normaliser `D` of this micro-batch's loss (or `None`: a sum).
+
+        Under `tf.distribute`, Keras divides each replica's loss by the
+        number of replicas; the weight undoes that so that the window's
+        normaliser is global.
+        """
+        terms = recording.terms
+        weight = None
+        if len(terms) == 1 and recording.unknown_terms == 0:
+            weight = terms[0].normalizer
+            if weight is None:  # reduction="sum"
+                return None
+        elif recording.unknown_terms or any(
+            t.data_dependent or t.normalizer is None for t in terms
+        ):
+            if not self._warned_inexact:
+                self._warned_inexact = True
+                warnings.warn(
+                    "GradientAccumulationModel: the model's loss has several "
+                    "terms whose normalisers differ (masked or weighted "
+                    "outputs, `reduction='sum'`, or a custom loss object). "
+                    "Micro-batches are weighted by their number of samples, "
+                    "which equals the big batch only when every term is a "
+                    "per-sample mean. See the README's 'Exactness' section.",
+                    stacklevel=2,
+                )
+        if weight is None:
+            weight = tf.cast(batch_size, tf.float32)
+        return keras_loss_module.unscale_loss_for_distribution(
+            tf.cast(weight, tf.float32 if weight.dtype != tf.float64 else weight.dtype)
+        )
+
+    # ------------------------------------------------------------------
+    # Serialization
+    # ------------------------------------------------------------------
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "flush_at_epoch_end": self.flush_at_epoch_end,
+                "non_finite_policy": self.non_finite_policy,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        functional_keys = ("name", "layers", "input_layers", "output_layers")
+        if all(key in config for key in functional_keys):
+            own = {k: config.pop(k) for k in _CONFIG_KEYS if k in config}
+            model = super().from_config(config, custom_objects=custom_objects)
+            model._configure(**own)
+            return model
+        return super().from_config(config, custom_objects=custom_objects)
+
+    def _configure(
+        self,
+        gradient_accumulation_steps=1,
+        flush_at_epoch_end=True,
+        non_finite_policy="auto",
+    ):
+        self.flush_at_epoch_end = flush_at_epoch_end
+        self.gradient_accumulator = GradientAccumulator(
+            gradient_accumulation_steps, non_finite_policy=non_finite_policy
+        )
+
+
+class _WindowFlush(keras.callbacks.Callback):
+    """Applies a partial window at the end of each epoch and of `fit()`."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = self.params.get("steps") if self.params else None
+        if self.model.flush_at_epoch_end and steps and batch + 1 >= steps:
+            self.model.flush_gradients()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.model.flush_at_epoch_end:
+            self.model.flush_gradients()
+
+    def on_train_end(self, logs=None):
+        self.model.flush_gradients()
