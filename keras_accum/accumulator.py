@@ -230,7 +230,13 @@ class GradientAccumulator(tf.Module):
     # Public step API
     # ------------------------------------------------------------------
     def accumulate_and_maybe_apply(
-        self, gradients, optimizer, variables, weight=1.0
+        self,
+        gradients,
+        optimizer,
+        variables,
+        weight=1.0,
+        *,
+        gradient_scale=1.0,
     ):
         """Adds one micro-batch; applies the window once it is complete.
 
@@ -243,6 +249,10 @@ class GradientAccumulator(tf.Module):
             variables: list of the variables the gradients belong to.
             weight: scalar, the normaliser of the micro-batch's mean loss
                 (e.g. its number of samples), or `None` if the loss is a sum.
+            gradient_scale: scalar, a factor the loss was divided by beyond
+                its normaliser (Keras divides each replica's loss by the
+                number of replicas under `tf.distribute`); the gradients are
+                multiplied back by it.
 
         Returns:
             A boolean tensor: whether an optimizer update was applied.
@@ -269,7 +279,9 @@ class GradientAccumulator(tf.Module):
                 optimizer, variables, lambda: gradients, finite, policy
             )
         else:
-            self._accumulate(gradients, weight, optimizer, policy)
+            self._accumulate(
+                gradients, weight, gradient_scale, optimizer, policy
+            )
             applied = self._maybe_finish(optimizer, variables, policy)
         return applied
 
@@ -335,13 +347,15 @@ class GradientAccumulator(tf.Module):
         ]
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
-    def _accumulate(self, gradients, weight, optimizer, policy):
+    def _accumulate(self, gradients, weight, gradient_scale, optimizer, policy):
+        gradient_scale = tf.cast(gradient_scale, self._weight_dtype)
         if weight is None:
-            coefficient = tf.ones((), self._weight_dtype)
+            coefficient = gradient_scale
             weight_increment = tf.zeros((), self._weight_dtype)
         else:
-            coefficient = tf.cast(weight, self._weight_dtype)
-            weight_increment = coefficient
+            weight = tf.cast(weight, self._weight_dtype)
+            coefficient = weight * gradient_scale
+            weight_increment = weight
 
         def add():
             for buffer, g in zip(self._buffers, gradients):
@@ -380,12 +394,12 @@ class GradientAccumulator(tf.Module):
             tf.cond(finite, add, drop)
         self.micro_step.assign_add(1)
 
+    def _divisor(self, weight_sum):
+        """The window's normaliser; 1 for a window of sums (or of nothing)."""
+        return tf.where(weight_sum > 0, weight_sum, tf.ones_like(weight_sum))
+
     def _window_grads(self):
-        divisor = tf.where(
-            self._weight_sum > 0,
-            self._weight_sum,
-            tf.ones((), self._weight_dtype),
-        )
+        divisor = self._divisor(self._weight_sum)
         return [
             None if is_none else b / tf.cast(divisor, b.dtype)
             for b, is_none in zip(self._buffers, self._grad_is_none)
@@ -480,9 +494,7 @@ class GradientAccumulator(tf.Module):
             target = optimizer.inner_optimizer if lso else optimizer
 
             def replica_apply(weight_sum):
-                divisor = tf.where(
-                    weight_sum > 0, weight_sum, tf.ones_like(weight_sum)
-                )
+                divisor = self._divisor(weight_sum)
                 # Each replica holds its own sum; the optimizer's SUM
                 # all-reduce then gives the global weighted sum.
                 grads = [

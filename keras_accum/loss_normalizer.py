@@ -79,9 +79,8 @@ def _normalizer(values, sample_weight, mask, reduction):
         )
         return ops.sum(weights), True
     if mask is not None:
-        # Keras rescales valid entries by `total / (valid + epsilon)`.
-        valid = ops.sum(ops.cast(mask, dtype))
-        return valid + ops.cast(backend.epsilon(), dtype), True
+        # Keras weights valid entries by `total / valid` (0 if none).
+        return ops.sum(ops.cast(mask, dtype)), True
     size = ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32"))
     return ops.cast(size, dtype), False
 

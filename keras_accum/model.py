@@ -4,7 +4,10 @@ import warnings
 
 import keras
 import tensorflow as tf
+from keras.src import backend
 from keras.src import tree
+from keras.src.models import functional
+from keras.src.models.model import functional_init_arguments
 from keras.src.losses import loss as keras_loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -88,6 +91,16 @@ class GradientAccumulationModel(keras.Model):
     assert int(model.optimizer.iterations) == 2
     ```
     """
+
+    def __new__(cls, *args, **kwargs):
+        # Like `keras.Model(inputs, outputs)` returning a `Functional`, the
+        # functional form returns `FunctionalGradientAccumulationModel`
+        # rather than letting Keras rewrite this class's bases.
+        if cls is GradientAccumulationModel and functional_init_arguments(
+            args, kwargs
+        ):
+            cls = FunctionalGradientAccumulationModel
+        return super().__new__(cls, *args, **kwargs)
 
     def __init__(
         self,
@@ -276,7 +289,6 @@ class GradientAccumulationModel(keras.Model):
     # ------------------------------------------------------------------
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        loss_normalizer.install(self._compile_loss)
         batch_size = tf.shape(
             next(i for i in tree.flatten(x) if i is not None)
         )[0]
@@ -286,6 +298,7 @@ class GradientAccumulationModel(keras.Model):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
+            self._install_loss_recording(x, y, y_pred, sample_weight)
             with loss_normalizer.record_loss_terms() as recording:
                 loss = self._compute_loss(
                     x=x,
@@ -306,26 +319,56 @@ class GradientAccumulationModel(keras.Model):
             gradients = tape.gradient(loss, trainable_weights)
             weight = self._micro_batch_weight(recording, batch_size)
             self.gradient_accumulator.accumulate_and_maybe_apply(
-                gradients, self.optimizer, trainable_weights, weight=weight
+                gradients,
+                self.optimizer,
+                trainable_weights,
+                weight=weight,
+                # Keras divides each replica's mean loss by the number of
+                # replicas; the window's normaliser is global instead.
+                gradient_scale=keras_loss_module.unscale_loss_for_distribution(
+                    tf.ones(())
+                ),
             )
         else:
             warnings.warn("The model does not have any trainable weights.")
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _micro_batch_weight(self, recording, batch_size):
-        """The normaliser `D` of this micro-batch's loss (or `None`: a sum).
+    def _install_loss_recording(self, x, y, y_pred, sample_weight):
+        """Wraps the compiled losses so that their normalisers are seen.
 
-        Under `tf.distribute`, Keras divides each replica's loss by the
-        number of replicas; the weight undoes that so that the window's
-        normaliser is global.
+        Without a distribution strategy Keras builds `CompileLoss` lazily, on
+        its first call; build it here first, symbolically (no side effects),
+        as Keras' own `_symbolic_build` does.
+        """
+        compile_loss = self._compile_loss
+        if compile_loss is None:
+            return
+        if not compile_loss.built:
+
+            def spec(value):
+                if value is None:
+                    return None
+                return keras.KerasTensor(value.shape, value.dtype)
+
+            backend.compute_output_spec(
+                self._compute_loss,
+                tree.map_structure(spec, x),
+                tree.map_structure(spec, y),
+                tree.map_structure(spec, y_pred),
+                sample_weight=tree.map_structure(spec, sample_weight),
+                training=False,
+            )
+        loss_normalizer.install(compile_loss)
+
+    def _micro_batch_weight(self, recording, batch_size):
+        """The normaliser `D` of this micro-batch's loss.
+
+        `D` is `None` for a loss that is a sum (`reduction="sum"`).
         """
         terms = recording.terms
-        weight = None
         if len(terms) == 1 and recording.unknown_terms == 0:
-            weight = terms[0].normalizer
-            if weight is None:  # reduction="sum"
-                return None
-        elif recording.unknown_terms or any(
+            return terms[0].normalizer
+        if recording.unknown_terms or any(
             t.data_dependent or t.normalizer is None for t in terms
         ):
             if not self._warned_inexact:
@@ -339,11 +382,7 @@ class GradientAccumulationModel(keras.Model):
                     "per-sample mean. See the README's 'Exactness' section.",
                     stacklevel=2,
                 )
-        if weight is None:
-            weight = tf.cast(batch_size, tf.float32)
-        return keras_loss_module.unscale_loss_for_distribution(
-            tf.cast(weight, tf.float32 if weight.dtype != tf.float64 else weight.dtype)
-        )
+        return batch_size
 
     # ------------------------------------------------------------------
     # Serialization
@@ -380,6 +419,13 @@ class GradientAccumulationModel(keras.Model):
         self.gradient_accumulator = GradientAccumulator(
             gradient_accumulation_steps, non_finite_policy=non_finite_policy
         )
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class FunctionalGradientAccumulationModel(
+    GradientAccumulationModel, functional.Functional
+):
+    """The class of `GradientAccumulationModel(inputs, outputs, ...)`."""
 
 
 class _WindowFlush(keras.callbacks.Callback):

@@ -1,0 +1,116 @@
+"""Shared fixtures: execution modes, float64 policy and the big-batch reference.
+
+Every equivalence test trains two models from the same initial weights on the
+same samples in the same order: plain `keras.Model` on batches of `N * B`
+(the independent reference) and `GradientAccumulationModel` on micro-batches
+of `B` with `gradient_accumulation_steps=N`. The largest relative difference
+seen per case is printed in a table at the end of the run.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import collections  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+MODES = {
+    "eager": dict(run_eagerly=True),
+    "graph": dict(run_eagerly=False, jit_compile=False),
+    "jit": dict(run_eagerly=False, jit_compile=True),
+}
+
+# float64 claims exactness; float32 is held to float tolerance.
+RTOL = {"float64": 1e-9, "float32": 1e-5}
+
+_MEASURED = collections.defaultdict(float)
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request):
+    """The execution mode: `eager`, `graph` or `jit`."""
+    return request.param
+
+
+@pytest.fixture
+def compile_kwargs(mode):
+    return dict(MODES[mode])
+
+
+def _set_precision(dtype):
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _restore_precision():
+    floatx = keras.config.floatx()
+    policy = keras.config.dtype_policy()
+    yield
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
+    keras.backend.clear_session()
+
+
+@pytest.fixture
+def float64():
+    _set_precision("float64")
+    return "float64"
+
+
+@pytest.fixture(params=["float64", "float32"])
+def precision(request):
+    _set_precision(request.param)
+    return request.param
+
+
+def relative_difference(reference, candidate):
+    """max over tensors of max|a - b| / max|a| (the update's relative error)."""
+    worst = 0.0
+    for a, b in zip(reference, candidate, strict=True):
+        a = np.asarray(a, dtype=np.float64)
+        b = np.asarray(b, dtype=np.float64)
+        scale = max(np.max(np.abs(a)), 1e-30)
+        worst = max(worst, float(np.max(np.abs(a - b)) / scale))
+    return worst
+
+
+def update_difference(initial, reference, candidate):
+    """Relative difference of the total updates `w_end - w_start`."""
+    worst = 0.0
+    for w0, a, b in zip(initial, reference, candidate, strict=True):
+        da = np.asarray(a, np.float64) - np.asarray(w0, np.float64)
+        db = np.asarray(b, np.float64) - np.asarray(w0, np.float64)
+        scale = max(np.max(np.abs(da)), 1e-30)
+        worst = max(worst, float(np.max(np.abs(da - db)) / scale))
+    return worst
+
+
+def record(case, value):
+    """Keeps the largest relative difference measured for `case`."""
+    _MEASURED[case] = max(_MEASURED[case], value)
+
+
+def assert_close_to_reference(case, initial, reference, candidate, rtol):
+    """Asserts the updates agree to `rtol`, relative to the update's size."""
+    assert len(reference) == len(candidate)
+    diff = update_difference(initial, reference, candidate)
+    record(case, diff)
+    assert diff <= rtol, f"{case}: relative update difference {diff:.3g}"
+    return diff
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _MEASURED:
+        return
+    terminalreporter.write_sep("-", "largest relative update difference")
+    terminalreporter.write_line(f"| {'case':<58} | {'max rel. diff':>13} |")
+    terminalreporter.write_line(f"|{'-' * 60}|{'-' * 15}|")
+    for case in sorted(_MEASURED):
+        terminalreporter.write_line(
+            f"| {case:<58} | {_MEASURED[case]:>13.3g} |"
+        )

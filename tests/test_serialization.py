@@ -1,0 +1,86 @@
+"""`.keras` save/load and `get_config`/`from_config` round trips."""
+
+import keras
+import numpy as np
+from helpers import classification_data
+from helpers import dense_net
+
+import keras_accum
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _trained_model(float64_data=True):
+    keras.utils.set_random_seed(0)
+    model = keras_accum.GradientAccumulationModel(
+        *dense_net(), gradient_accumulation_steps=3,
+        flush_at_epoch_end=False, non_finite_policy="drop_micro_batch",
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=_loss())
+    x, y = classification_data(n=18)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    return model, x, y
+
+
+def test_save_and_load_keras_file(tmp_path, float64):
+    model, x, y = _trained_model()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)  # safe mode, no custom_objects
+    assert isinstance(loaded, keras_accum.GradientAccumulationModel)
+    assert loaded.gradient_accumulation_steps == 3
+    assert loaded.flush_at_epoch_end is False
+    assert loaded.non_finite_policy == "drop_micro_batch"
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations)
+    # Both go on training identically (optimizer state restored too).
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert int(loaded.optimizer.iterations) == 6
+
+
+def test_weights_are_those_of_the_plain_model():
+    model, _, _ = _trained_model()
+    plain = keras.Model(*dense_net())
+    assert len(model.weights) == len(plain.weights)
+
+
+def test_get_config_round_trip():
+    model, _, _ = _trained_model()
+    config = model.get_config()
+    assert config["gradient_accumulation_steps"] == 3
+    clone = keras_accum.GradientAccumulationModel.from_config(config)
+    assert clone.get_config() == config
+
+
+def test_subclassed_model_round_trip(tmp_path):
+    @keras.saving.register_keras_serializable(package="tests")
+    class Tiny(keras_accum.GradientAccumulationModel):
+        def __init__(self, units=3, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+            self.dense = keras.layers.Dense(units)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+        def get_config(self):
+            return {**super().get_config(), "units": self.units}
+
+    model = Tiny(units=2, gradient_accumulation_steps=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 3)), np.zeros((8, 2)), batch_size=2, verbose=0)
+    path = tmp_path / "tiny.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, Tiny)
+    assert loaded.gradient_accumulation_steps == 4 and loaded.units == 2
+    np.testing.assert_array_equal(
+        model.predict(np.ones((1, 3)), verbose=0),
+        loaded.predict(np.ones((1, 3)), verbose=0),
+    )
