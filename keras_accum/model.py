@@ -224,6 +224,14 @@ class GradientAccumulationModel(keras.Model):
             self.gradient_accumulator._resolve_policy(self.optimizer)
         self._flush_function = None
 
+    def compile_from_config(self, config):
+        # Keras skips `compile_from_config` for models that override
+        # `compile()`; ours only adds checks, so restore it on load.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
