@@ -266,6 +266,9 @@ class GradientAccumulator(tf.Module):
                 f"{len(variables)} variables."
             )
         self.build(variables)
+        if not optimizer.built:
+            # Loss scaling state is read before the first update.
+            optimizer.build(variables)
         self._grad_is_none = [g is None for g in gradients]
         policy = self._resolve_policy(optimizer)
         scale = self._loss_scale(optimizer)

@@ -237,6 +237,9 @@ class GradientAccumulationModel(keras.Model):
             return self.train_function
         with self.distribute_strategy.scope():
             self.gradient_accumulator.build(self.trainable_variables)
+            if self.optimizer is not None and not self.optimizer.built:
+                if self.built and self.trainable_variables:
+                    self.optimizer.build(self.trainable_variables)
         super().make_train_function(force=force)
         inner = self.train_function
 

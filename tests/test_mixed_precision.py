@@ -2,19 +2,29 @@
 
 References are plain `keras.Model` under the same dtype policy on the big
 batch. Under `mixed_float16` both compute in float16, so they agree only to
-float16 tolerance: the built-in optimizer option reaches about 2e-4 on a small
-conv net; we hold ours to the same bound, `MIXED_RTOL`.
+float16 tolerance. Measured on the conv net below (Adam, 2 updates): the
+built-in optimizer option differs from the big batch by 1.9e-4 relative to
+the weights (2.1e-3 relative to the update); `mixed_bfloat16` by 1.8e-2.
+Ours must be no worse than the built-in option in the same run, and within
+the stated bounds.
 """
 
 import keras
 import numpy as np
 import pytest
 from conftest import assert_close_to_reference
+from conftest import record
 
 import keras_accum
 
-MIXED_RTOL = 2e-4  # the built-in option's difference, measured: ~2e-4
-BF16_RTOL = 2e-2  # bfloat16 keeps 8 bits of mantissa
+from conftest import relative_difference
+from conftest import update_difference
+
+# Bounds on the weights' relative difference (the built-in option: 1.9e-4
+# and 1.8e-2) and on the update's (2.1e-3 for float16).
+MIXED_RTOL = 2.5e-4
+BF16_RTOL = 2.5e-2
+MIXED_UPDATE_RTOL = 5e-3
 
 N, B = 3, 4
 
@@ -63,10 +73,17 @@ def _restore_policy():
 def test_mixed_precision_matches_big_batch(policy, rtol, mode, compile_kwargs):
     x, y = _data(2 * N * B)
     reference, ours = _models(policy)
+    builtin = keras.Model(*conv_net())
+    builtin.set_weights(reference.get_weights())
     initial = [np.array(w) for w in reference.get_weights()]
-    for model, batch in ((reference, N * B), (ours, B)):
+    for model, batch, accumulation in (
+        (reference, N * B, None), (ours, B, None), (builtin, B, N)
+    ):
         model.compile(
-            optimizer=keras.optimizers.Adam(1e-2), loss=_loss(),
+            optimizer=keras.optimizers.Adam(
+                1e-2, gradient_accumulation_steps=accumulation
+            ),
+            loss=_loss(),
             **compile_kwargs,
         )
         model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
@@ -75,10 +92,25 @@ def test_mixed_precision_matches_big_batch(policy, rtol, mode, compile_kwargs):
     # Buffers stay float32 whatever the compute dtype.
     assert all(b.dtype == "float32" for b in ours.gradient_accumulator._buffers)
     assert int(ours.optimizer.iterations) == 2
-    assert_close_to_reference(
-        f"mixed precision {policy}", initial, reference.get_weights(),
-        ours.get_weights(), rtol,
+    ours_diff = relative_difference(reference.get_weights(), ours.get_weights())
+    builtin_diff = relative_difference(
+        reference.get_weights(), builtin.get_weights()
     )
+    record(f"mixed precision {policy}, weights", ours_diff)
+    record(f"mixed precision {policy}, weights, built-in option", builtin_diff)
+    assert ours_diff <= rtol
+    assert ours_diff <= builtin_diff * 1.05 + 1e-7
+    assert update_difference(
+        initial, reference.get_weights(), ours.get_weights()
+    ) <= 1.05 * update_difference(
+        initial, reference.get_weights(), builtin.get_weights()
+    ) + 1e-7
+
+
+def _sgd():
+    """SGD with momentum: its update is linear in the gradient, so float16
+    noise shows as it is (Adam's first step divides by |gradient|)."""
+    return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
 def _optimizer_state(optimizer):
@@ -92,11 +124,13 @@ def test_overflow_skips_the_whole_window(bad, mode, compile_kwargs):
     x[bad * B : (bad + 1) * B] *= 1e6  # inf in float16
     reference, ours = _models("mixed_float16")
     optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(1e-2), initial_scale=2.0**10,
+        _sgd(), initial_scale=2.0**10,
         dynamic_growth_steps=2,
     )
     ours.compile(optimizer=optimizer, loss=_loss(), **compile_kwargs)
     initial = [np.array(w) for w in ours.get_weights()]
+    optimizer.build(ours.trainable_variables)
+    initial_state = _optimizer_state(optimizer.inner_optimizer)
 
     # Stop after window 1 to look at the state.
     ours.fit(x[: N * B], y[: N * B], batch_size=B, shuffle=False, verbose=0)
@@ -105,20 +139,19 @@ def test_overflow_skips_the_whole_window(bad, mode, compile_kwargs):
     assert int(optimizer.iterations) == 0
     assert float(optimizer.dynamic_scale) == 2.0**9  # halved once
     assert int(ours.skipped_windows) == 1
-    assert all(
-        not np.any(s) for s in _optimizer_state(optimizer.inner_optimizer)
-    )
+    for a, b in zip(initial_state, _optimizer_state(optimizer.inner_optimizer)):
+        np.testing.assert_array_equal(a, b)
 
     # Window 2 trains normally: it equals the big batch of its samples.
     ours.fit(x[N * B :], y[N * B :], batch_size=B, shuffle=False, verbose=0)
-    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
+    reference.compile(optimizer=_sgd(), loss=_loss())
     reference.fit(
         x[N * B :], y[N * B :], batch_size=N * B, shuffle=False, verbose=0
     )
     assert int(optimizer.iterations) == 1
     assert_close_to_reference(
         "overflow: window after a skipped window", initial,
-        reference.get_weights(), ours.get_weights(), MIXED_RTOL,
+        reference.get_weights(), ours.get_weights(), MIXED_UPDATE_RTOL,
     )
 
 
@@ -130,12 +163,12 @@ def test_drop_micro_batch_policy(bad, mode, compile_kwargs):
         "mixed_float16", non_finite_policy="drop_micro_batch"
     )
     initial = [np.array(w) for w in ours.get_weights()]
-    ours.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss(),
+    ours.compile(optimizer=_sgd(), loss=_loss(),
                  **compile_kwargs)
     ours.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     keep = np.ones(len(x), bool)
     keep[bad * B : (bad + 1) * B] = False
-    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
+    reference.compile(optimizer=_sgd(), loss=_loss())
     reference.fit(x[keep], y[keep], batch_size=len(x), shuffle=False,
                   verbose=0)
     assert int(ours.optimizer.iterations) == 1
@@ -143,7 +176,7 @@ def test_drop_micro_batch_policy(bad, mode, compile_kwargs):
     assert float(ours.optimizer.dynamic_scale) == 2.0**14
     assert_close_to_reference(
         "drop_micro_batch: update of the remaining samples", initial,
-        reference.get_weights(), ours.get_weights(), MIXED_RTOL,
+        reference.get_weights(), ours.get_weights(), MIXED_UPDATE_RTOL,
     )
 
 
@@ -153,10 +186,10 @@ def test_float32_opt_in_skip(mode, compile_kwargs):
     x[1] = np.nan
     reference, ours = _models("float32", non_finite_policy="skip_window")
     initial = [np.array(w) for w in ours.get_weights()]
-    ours.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss(),
+    ours.compile(optimizer=_sgd(), loss=_loss(),
                  **compile_kwargs)
     ours.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
+    reference.compile(optimizer=_sgd(), loss=_loss())
     reference.fit(x[N * B :], y[N * B :], batch_size=N * B, verbose=0)
     assert int(ours.optimizer.iterations) == 1
     assert int(ours.skipped_windows) == 1
