@@ -388,8 +388,10 @@ class GradientAccumulator(tf.Module):
                 self.dropped_micro_batches.assign_add(
                     1 if policy == "drop_micro_batch" else 0
                 )
-                if policy == "drop_micro_batch" and is_loss_scale_optimizer(
-                    optimizer
+                if (
+                    policy == "drop_micro_batch"
+                    and is_loss_scale_optimizer(optimizer)
+                    and not _in_multi_replica_context()
                 ):
                     _shrink_loss_scale(optimizer)
                 return tf.constant(False)
@@ -469,84 +471,88 @@ class GradientAccumulator(tf.Module):
     def _maybe_finish_distributed(self, optimizer, variables, policy, ready):
         """The window's end under several replicas.
 
-        The decision (window complete, finite everywhere) and the
-        normaliser are global; the `tf.cond` runs in cross-replica context
-        because the optimizer's update calls `merge_call`. The gradients
-        are all-reduced once, by the optimizer, per update.
+        The decision (window complete, finite on every replica) and the
+        window's normaliser are global. The `tf.cond` runs in cross-replica
+        context because the optimizer's update calls `merge_call`. Per
+        update there are two reductions: the optimizer's all-reduce of the
+        gradients and one of three scalars (micro-batches seen, accumulated,
+        weight sum); none on the other micro-steps.
         """
         context = tf.distribute.get_replica_context()
+        lso = is_loss_scale_optimizer(optimizer)
+        target = optimizer.inner_optimizer if lso else optimizer
 
-        def cross_replica(distribution, ready, accumulated, micro_step):
+        def replica_apply(weight_sum):
+            divisor = self._divisor(weight_sum)
+            # Each replica holds its own weighted sum; the optimizer's SUM
+            # all-reduce turns them into the global one.
+            grads = [
+                None if is_none else b / tf.cast(divisor, b.dtype)
+                for b, is_none in zip(self._buffers, self._grad_is_none)
+            ]
+            target.apply(grads, variables)
+
+        def cross_replica(distribution, ready, counts):
             ready = distribution.experimental_local_results(ready)[0]
-            total_accumulated = distribution.reduce(
-                tf.distribute.ReduceOp.SUM, accumulated, axis=None
-            )
-            total_steps = distribution.reduce(
-                tf.distribute.ReduceOp.SUM, micro_step, axis=None
-            )
-            if policy == "propagate":
-                ok = tf.constant(True)
-            elif policy == "skip_window":
-                ok = tf.equal(total_accumulated, total_steps)
-            else:
-                ok = total_accumulated > 0
-            weight_sum = distribution.reduce(
-                tf.distribute.ReduceOp.SUM, self._local_weight_sum(), axis=None
-            )
-            lso = is_loss_scale_optimizer(optimizer)
-            target = optimizer.inner_optimizer if lso else optimizer
-
-            def replica_apply(weight_sum):
-                divisor = self._divisor(weight_sum)
-                # Each replica holds its own sum; the optimizer's SUM
-                # all-reduce then gives the global weighted sum.
-                grads = [
-                    None if is_none else b / tf.cast(divisor, b.dtype)
-                    for b, is_none in zip(self._buffers, self._grad_is_none)
-                ]
-                target.apply(grads, variables)
-
-            def apply():
-                distribution.extended.call_for_each_replica(
-                    replica_apply, args=(weight_sum,)
-                )
-                if lso:
-                    _grow_loss_scale(optimizer)
-                return tf.constant(True)
-
-            def skip():
-                if lso and policy == "skip_window":
-                    _shrink_loss_scale(optimizer)
-                return tf.constant(False)
 
             def finish():
+                totals = distribution.reduce(
+                    tf.distribute.ReduceOp.SUM, counts, axis=None
+                )
+                steps, accumulated, weight_sum = tf.unstack(totals)
+                if policy == "propagate":
+                    ok = tf.constant(True)
+                elif policy == "skip_window":
+                    ok = tf.equal(accumulated, steps)
+                else:
+                    ok = accumulated > 0
+                weight_sum = tf.cast(weight_sum, self._weight_dtype)
+
+                def apply():
+                    distribution.extended.call_for_each_replica(
+                        replica_apply, args=(weight_sum,)
+                    )
+                    if lso:
+                        _grow_loss_scale(optimizer)
+                    return tf.constant(True)
+
+                def skip():
+                    if lso and policy == "skip_window":
+                        _shrink_loss_scale(optimizer)
+                    return tf.constant(False)
+
+                if lso and policy == "drop_micro_batch":
+                    # Replicas cannot update the shared scale themselves:
+                    # halve it once for a window that dropped anything.
+                    def shrink():
+                        _shrink_loss_scale(optimizer)
+                        return tf.constant(True)
+
+                    tf.cond(
+                        accumulated < steps, shrink, lambda: tf.constant(False)
+                    )
                 return tf.cond(ok, apply, skip)
 
             return tf.cond(ready, finish, lambda: tf.constant(False))
 
-        applied = context.merge_call(
-            cross_replica,
-            args=(ready, self.accumulated.read_value(), self.micro_step.read_value()),
+        counts = tf.stack(
+            [
+                tf.cast(self.micro_step, tf.float64),
+                tf.cast(self.accumulated, tf.float64),
+                tf.cast(self._weight_sum, tf.float64),
+            ]
         )
+        applied = context.merge_call(cross_replica, args=(ready, counts))
 
         def reset_local():
-            for buffer in self._buffers:
-                buffer.assign(tf.zeros_like(buffer))
-            self._weight_sum.assign(tf.zeros_like(self._weight_sum))
-            self.micro_step.assign(0)
-            self.accumulated.assign(0)
+            self.reset()
             return tf.constant(True)
 
-        # `applied` is False both while waiting and on a skipped window.
-        finished = ready
-        tf.cond(finished, reset_local, lambda: tf.constant(False))
-        skipped = tf.logical_and(finished, tf.logical_not(applied))
+        tf.cond(ready, reset_local, lambda: tf.constant(False))
+        skipped = tf.logical_and(ready, tf.logical_not(applied))
         self.skipped_windows.assign_add(tf.cast(skipped, tf.int64))
         self.update_applied.assign(applied)
         return applied
-
-    def _local_weight_sum(self):
-        return self._weight_sum.read_value()
 
 
 def _scale(g, factor):

@@ -1,0 +1,243 @@
+"""Trains under a `tf.distribute` strategy and compares with one big batch.
+
+Run by `tests/test_distribute.py` in subprocesses, so that the logical device
+setup and the cluster do not leak into other tests. Prints one JSON line.
+
+Usage:
+    python worker.py --strategy mirrored --case masked
+    TF_CONFIG=... python worker.py --strategy multiworker --case default
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+GLOBAL_MICRO_BATCH = 4  # samples per micro-batch over all replicas
+STEPS = 3  # micro-batches per update
+SAMPLES = 30  # 8 micro-batches per epoch: windows of 3, 3 and a short 2
+
+
+class ReductionCounter:
+    """Counts, at run time, the cross-device reductions actually executed.
+
+    Wraps the strategy's cross-device ops (`reduce` and `batch_reduce`, and
+    the collective ops' `batch_all_reduce`) so that each executed call adds
+    one to a counter variable. Calls inside a `tf.cond` branch that does not
+    run are not counted.
+    """
+
+    def __init__(self, strategy, enabled=True):
+        self.counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.tensors = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._depth = 0
+        if not enabled:
+            return
+        # Every cross-device reduction goes through these methods of
+        # `tf.distribute.CrossDeviceOps` (also the temporary
+        # `ReductionToOneDevice` used for CPU destinations), or through the
+        # collective ops' `batch_all_reduce` in replica context.
+        base = tf.distribute.CrossDeviceOps
+        for method in ("reduce", "batch_reduce"):
+            setattr(base, method, self._counting(getattr(base, method), method))
+        for value in list(vars(strategy.extended).values()):
+            if hasattr(value, "batch_all_reduce"):
+                value.batch_all_reduce = self._counting(
+                    value.batch_all_reduce, "batch_all_reduce", bound=True
+                )
+
+    def _counting(self, original, method, bound=False):
+        def wrapper(*args, **kwargs):
+            self._depth += 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            # Only reductions inside the compiled train/flush functions:
+            # eager reads of replica-local variables are not communication
+            # of the training step.
+            if self._depth == 0 and not tf.executing_eagerly():
+                n = _count_tensors(method, args if bound else args[1:])
+                with tf.control_dependencies(tf.nest.flatten(result)):
+                    self.counter.assign_add(1)
+                    self.tensors.assign_add(n)
+            return result
+
+        return wrapper
+
+
+def _count_tensors(method, args):
+    """Tensors reduced by one call (`args` without `self`)."""
+    if method == "reduce":
+        return 1
+    if method == "batch_reduce":
+        return len(args[1])
+    return len(args[0])
+
+
+def build_model(cls, keras, masked, **kwargs):
+    if masked:
+        inputs = keras.Input((6, 6, 2))
+        h = keras.layers.Conv2D(3, 3, padding="same", activation="tanh")(
+            inputs
+        )
+        outputs = keras.layers.Conv2D(3, 1)(h)
+    else:
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(5, activation="tanh")(inputs)
+        outputs = keras.layers.Dense(3)(h)
+    return cls(inputs, outputs, **kwargs)
+
+
+def make_data(masked, overflow):
+    rng = np.random.default_rng(0)
+    if masked:
+        x = rng.normal(size=(SAMPLES, 6, 6, 2))
+        y = rng.integers(0, 3, size=(SAMPLES, 6, 6))
+        for i in range(SAMPLES):  # 0% .. 80% ignored, varying per sample
+            y[i][rng.random((6, 6)) < (i % 5) / 5.0] = 255
+    else:
+        x = rng.normal(size=(SAMPLES, 6))
+        y = rng.integers(0, 3, size=(SAMPLES,))
+    if overflow:
+        x[5] = np.nan  # micro-batch 1 (of window 0), on one replica only
+    return x, y
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["mirrored", "multiworker"])
+    parser.add_argument(
+        "--case", choices=["default", "masked", "overflow"], default="default"
+    )
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--no-count", action="store_true")
+    args = parser.parse_args()
+
+    if args.strategy == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        worker, workers = 0, 1
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        resolver = strategy.cluster_resolver
+        worker = resolver.task_id
+        workers = strategy.num_replicas_in_sync  # one replica per worker
+
+    import keras
+
+    import keras_accum
+
+    keras.config.disable_traceback_filtering()
+
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    masked = args.case == "masked"
+    x, y = make_data(masked, args.case == "overflow")
+
+    def loss():
+        return keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, ignore_class=255 if masked else None
+        )
+
+    keras.utils.set_random_seed(0)
+    reference = build_model(keras.Model, keras, masked)
+    initial = reference.get_weights()
+
+    counter = ReductionCounter(strategy, enabled=not args.no_count)
+    with strategy.scope():
+        ours = build_model(
+            keras_accum.GradientAccumulationModel, keras, masked,
+            gradient_accumulation_steps=STEPS,
+            non_finite_policy="skip_window",
+        )
+        ours.set_weights(initial)
+        ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
+
+    import keras as keras_module
+
+    class StepReductions(keras_module.callbacks.Callback):
+        """Reductions executed inside each train step (flushes excluded)."""
+
+        def __init__(self):
+            super().__init__()
+            self.steps = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = int(counter.counter.numpy())
+
+        def on_train_batch_end(self, batch, logs=None):
+            # Reading a replica-local variable is itself a collective under
+            # multi-worker training: only read it with one worker.
+            applied = None
+            if args.strategy == "mirrored":
+                applied = bool(
+                    self.model.gradient_accumulator.update_applied.numpy()
+                )
+            self.steps.append((applied, int(counter.counter.numpy()) - self._start))
+
+    spy = StepReductions()
+    replicas = strategy.num_replicas_in_sync
+    if args.strategy == "mirrored":
+        data = (x, y)
+        ours.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, epochs=args.epochs,
+                 shuffle=False, verbose=0, callbacks=[spy])
+    else:
+        # Each worker reads its own shard: worker w holds the w-th of the
+        # equal parts of every micro-batch (the short last one included).
+        def shard(context):
+            w = context.input_pipeline_id
+            dataset = None
+            for k in range(0, SAMPLES, GLOBAL_MICRO_BATCH):
+                size = min(GLOBAL_MICRO_BATCH, SAMPLES - k) // workers
+                part = slice(k + w * size, k + (w + 1) * size)
+                piece = tf.data.Dataset.from_tensors((x[part], y[part]))
+                dataset = piece if dataset is None else dataset.concatenate(
+                    piece
+                )
+            return dataset
+
+        dataset = strategy.distribute_datasets_from_function(shard)
+        ours.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[spy])
+
+    # The reference: one device, one big batch per window of the same samples.
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
+    window = GLOBAL_MICRO_BATCH * STEPS
+    for _ in range(args.epochs):
+        for start in range(0, SAMPLES, window):
+            xb, yb = x[start : start + window], y[start : start + window]
+            if args.case == "overflow" and start == 0:
+                continue  # the window with a non-finite micro-batch is skipped
+            reference.train_on_batch(xb, yb)
+
+    diff = 0.0
+    for w0, a, b in zip(initial, reference.get_weights(), ours.get_weights()):
+        da, db = a - w0, b - w0
+        diff = max(diff, float(np.max(np.abs(da - db)) / np.max(np.abs(da))))
+    micro_batches = args.epochs * -(-SAMPLES // GLOBAL_MICRO_BATCH)
+    print(json.dumps({
+        "worker": worker,
+        "replicas": replicas,
+        "relative_update_difference": diff,
+        "iterations": int(ours.optimizer.iterations.numpy()),
+        "reference_iterations": int(reference.optimizer.iterations.numpy()),
+        "skipped_windows": int(ours.skipped_windows.numpy()),
+        "micro_batches": micro_batches,
+        "reductions": int(counter.counter.numpy()),
+        "reduced_tensors": int(counter.tensors.numpy()),
+        "trainable_tensors": len(ours.trainable_variables),
+        "reductions_per_step": spy.steps,
+    }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
