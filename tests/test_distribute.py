@@ -1,0 +1,128 @@
+"""`tf.distribute`: exactness across replicas and one all-reduce per update.
+
+Each case runs `tests/distributed/worker.py` in fresh processes, so that the
+logical devices and the cluster do not leak into other tests. The worker
+trains `GradientAccumulationModel` under the strategy (graph mode) and the
+reference, plain `keras.Model` on one device with one big batch per window of
+the same samples, and prints the relative update difference (float64) and
+the cross-device reductions executed inside each train step.
+
+XLA is not covered: under `MirroredStrategy` over several devices,
+TensorFlow rejects `jit_compile=True` for plain `keras.Model` just as for
+ours ("Trying to access resource ... located in device ..."), and Keras'
+`jit_compile="auto"` turns XLA off under a strategy.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
+TIMEOUT = 240
+# Per update: the optimizer's all-reduce of the gradients, and one of three
+# scalars (micro-batches, accumulated micro-batches, normaliser).
+PER_UPDATE = 2
+
+
+def _env(extra=None):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_CONFIG", None)
+    env.update(extra or {})
+    return env
+
+
+def _result(stdout):
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _check(result, case):
+    assert result["replicas"] == 2
+    assert result["relative_update_difference"] <= 1e-9, result
+    assert result["iterations"] == result["reference_iterations"]
+    if case == "overflow":
+        assert result["skipped_windows"] == 2  # window 0 of each epoch
+    if _log_reductions(result) == 0:
+        # One call reduces all gradients at once (plus the scalars' call).
+        assert result["reduced_tensors"] == (
+            result["iterations"] * (result["trainable_tensors"] + 1)
+            + result["skipped_windows"]
+        )
+    assert result["reductions"] == (
+        PER_UPDATE * result["iterations"] + result["skipped_windows"]
+    ) + _log_reductions(result)
+
+
+def _log_reductions(result):
+    """Reductions of the logs that Keras itself does on every step."""
+    return len(result["reductions_per_step"]) * min(
+        d for _, d in result["reductions_per_step"]
+    )
+
+
+@pytest.mark.parametrize("case", ["default", "masked", "overflow"])
+def test_mirrored_strategy(case):
+    run = subprocess.run(
+        [sys.executable, WORKER, "--strategy", "mirrored", "--case", case],
+        capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = _result(run.stdout)
+    _check(result, case)
+    # Within the train steps: reductions only on steps that end a window
+    # (full windows; partial ones are flushed after the epoch's last step).
+    for applied, reductions in result["reductions_per_step"]:
+        assert reductions == (PER_UPDATE if applied else 0) or (
+            case == "overflow" and reductions == 1 and not applied
+        )
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["masked", "overflow"])
+def test_multi_worker_mirrored_strategy(case):
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
+    processes = []
+    try:
+        for index in range(2):
+            config = {"cluster": cluster, "task": {"type": "worker",
+                                                   "index": index}}
+            processes.append(subprocess.Popen(
+                [sys.executable, WORKER, "--strategy", "multiworker",
+                 "--case", case],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=_env({"TF_CONFIG": json.dumps(config)}),
+            ))
+        outputs = [p.communicate(timeout=TIMEOUT) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (stdout, stderr) in zip(processes, outputs):
+        assert p.returncode == 0, stderr[-3000:]
+    results = [_result(stdout) for stdout, _ in outputs]
+    assert sorted(r["worker"] for r in results) == [0, 1]
+    for result in results:
+        _check(result, case)
+    # Both workers saw the same reductions, step by step.
+    assert results[0]["reductions_per_step"] == results[1][
+        "reductions_per_step"
+    ]
+    # Over Keras' per-step log reductions: 2 on steps that apply an update,
+    # 1 on a skipped window's last step (the scalars), 0 on the others.
+    base = min(d for _, d in results[0]["reductions_per_step"])
+    extra = [d - base for _, d in results[0]["reductions_per_step"]]
+    window_end = [0, 0, 1, 0, 0, 1, 0, 0] * 2  # windows of 3, then flushed
+    if case == "overflow":
+        expected = [0, 0, 1, 0, 0, 2, 0, 0] * 2
+    else:
+        expected = [2 * w for w in window_end]
+    assert extra == expected
