@@ -146,7 +146,6 @@ class GradientAccumulator(tf.Module):
         self._grad_is_none = None
         self._weight_dtype = tf.float32
         with tf.init_scope():
-            sum_ = tf.VariableAggregation.SUM
             first = tf.VariableAggregation.ONLY_FIRST_REPLICA
             self.micro_step = _state_variable(0, tf.int64, "micro_step", first)
             self.accumulated = _state_variable(
@@ -162,7 +161,6 @@ class GradientAccumulator(tf.Module):
                 0, tf.int64, "dropped_micro_batches", first
             )
             self._weight_sum = None
-            del sum_
 
     # ------------------------------------------------------------------
     # Building

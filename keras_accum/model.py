@@ -16,11 +16,13 @@ from keras_accum.accumulator import GradientAccumulator
 from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import validate_policy
 from keras_accum.accumulator import validate_steps
+from keras_accum.batch_norm import WindowBatchNormStatistics
 
 _CONFIG_KEYS = (
     "gradient_accumulation_steps",
     "flush_at_epoch_end",
     "non_finite_policy",
+    "window_batch_norm",
 )
 
 
@@ -66,6 +68,13 @@ class GradientAccumulationModel(keras.Model):
             `"auto"` (default: `"skip_window"` with a `LossScaleOptimizer`,
             else `"propagate"`), `"skip_window"`, `"drop_micro_batch"` or
             `"propagate"`. See `keras_accum.GradientAccumulator`.
+        window_batch_norm: bool. If `True` (default) the moving mean and
+            variance of every trainable `keras.layers.BatchNormalization`
+            are updated once per window, from the statistics of all the
+            window's samples, as with one big batch; training-time
+            normalisation stays per micro-batch. If `False` they are updated
+            on every micro-batch, as Keras does. See
+            `keras_accum.batch_norm.WindowBatchNormStatistics`.
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -108,9 +117,11 @@ class GradientAccumulationModel(keras.Model):
         gradient_accumulation_steps=1,
         flush_at_epoch_end=True,
         non_finite_policy="auto",
+        window_batch_norm=True,
         **kwargs,
     ):
         _check_backend()
+        batch_norm_statistics = WindowBatchNormStatistics(window_batch_norm)
         steps = validate_steps(gradient_accumulation_steps)
         if not isinstance(flush_at_epoch_end, bool):
             raise ValueError(
@@ -125,6 +136,7 @@ class GradientAccumulationModel(keras.Model):
         )
         self._flush_function = None
         self._warned_inexact = False
+        self._batch_norm_statistics = batch_norm_statistics
 
     @property
     def gradient_accumulation_steps(self):
@@ -133,6 +145,11 @@ class GradientAccumulationModel(keras.Model):
     @property
     def non_finite_policy(self):
         return self.gradient_accumulator.non_finite_policy
+
+    @property
+    def window_batch_norm(self):
+        """bool: whether BatchNormalization statistics are per window."""
+        return self._batch_norm_statistics.enabled
 
     @property
     def micro_step(self):
@@ -237,6 +254,7 @@ class GradientAccumulationModel(keras.Model):
             return self.train_function
         with self.distribute_strategy.scope():
             self.gradient_accumulator.build(self.trainable_variables)
+            self._batch_norm_statistics.build(self)
             if self.optimizer is not None and not self.optimizer.built:
                 if self.built and self.trainable_variables:
                     self.optimizer.build(self.trainable_variables)
@@ -255,6 +273,25 @@ class GradientAccumulationModel(keras.Model):
         self.train_function = train_function
         self._flush_function = None
         return self.train_function
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras averages a distributed batch across replicas (`reduce("MEAN")`)
+        # only to learn its shapes, which fails under
+        # `MultiWorkerMirroredStrategy`; one replica's batch has the shapes.
+        if self._distribute_strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        for _, _, it in iterator:
+            data_batch = next(it)
+            break
+        strategy = self.distribute_strategy
+        data_batch = tree.map_structure(
+            lambda v: strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues)
+            else v,
+            data_batch,
+        )
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
 
     def fit(self, *args, callbacks=None, **kwargs):
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -278,9 +315,11 @@ class GradientAccumulationModel(keras.Model):
         if self._flush_function is None:
 
             def flush_step():
-                return self.gradient_accumulator.flush(
+                applied = self.gradient_accumulator.flush(
                     self.optimizer, self.trainable_variables
                 )
+                self._batch_norm_statistics.end_window(applied)
+                return applied
 
             def flush():
                 result = self.distribute_strategy.run(flush_step)
@@ -291,8 +330,8 @@ class GradientAccumulationModel(keras.Model):
             self._flush_function = (
                 flush if self.run_eagerly else tf.function(flush)
             )
-        if int(self.gradient_accumulator.micro_step.numpy()) == 0:
-            return False
+        # No host read of the (replica-local) counters: under multi-worker
+        # training that would be a collective of its own.
         return bool(self._flush_function())
 
     # ------------------------------------------------------------------
@@ -305,10 +344,12 @@ class GradientAccumulationModel(keras.Model):
         )[0]
 
         with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
+            # BatchNormalization moving statistics: once per window.
+            with self._batch_norm_statistics.record(self):
+                if self._call_has_training_arg:
+                    y_pred = self(x, training=True)
+                else:
+                    y_pred = self(x)
             self._install_loss_recording(x, y, y_pred, sample_weight)
             with loss_normalizer.record_loss_terms() as recording:
                 loss = self._compute_loss(
@@ -340,9 +381,32 @@ class GradientAccumulationModel(keras.Model):
                     tf.ones(())
                 ),
             )
+            self._batch_norm_statistics.end_step(self.gradient_accumulator)
         else:
             warnings.warn("The model does not have any trainable weights.")
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self._multi_worker_logs(
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        )
+
+    def test_step(self, data):
+        return self._multi_worker_logs(super().test_step(data))
+
+    def _multi_worker_logs(self, logs):
+        """Logs that Keras can average across workers.
+
+        Under multi-worker `tf.distribute`, Keras averages each log with
+        `strategy.reduce("MEAN", value, axis=0)`, which fails for scalars;
+        give scalars a leading axis of one (the mean is the same).
+        """
+        strategy = self.distribute_strategy
+        multi_worker = isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy
+        ) and strategy.extended._in_multi_worker_mode()
+        if not multi_worker:
+            return logs
+        return tree.map_structure(
+            lambda v: tf.reshape(v, [1]) if v.shape.rank == 0 else v, logs
+        )
 
     def _install_loss_recording(self, x, y, y_pred, sample_weight):
         """Wraps the compiled losses so that their normalisers are seen.
@@ -405,6 +469,7 @@ class GradientAccumulationModel(keras.Model):
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "flush_at_epoch_end": self.flush_at_epoch_end,
                 "non_finite_policy": self.non_finite_policy,
+                "window_batch_norm": self.window_batch_norm,
             }
         )
         return config
@@ -425,10 +490,14 @@ class GradientAccumulationModel(keras.Model):
         gradient_accumulation_steps=1,
         flush_at_epoch_end=True,
         non_finite_policy="auto",
+        window_batch_norm=True,
     ):
         self.flush_at_epoch_end = flush_at_epoch_end
         self.gradient_accumulator = GradientAccumulator(
             gradient_accumulation_steps, non_finite_policy=non_finite_policy
+        )
+        self._batch_norm_statistics = WindowBatchNormStatistics(
+            window_batch_norm
         )
 
 
