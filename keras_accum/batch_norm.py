@@ -6,19 +6,21 @@ micro-batch, so the moving averages would advance N times per optimizer
 update, each time from the statistics of a small micro-batch. One big batch
 holding the same samples advances them once, from the statistics of all its
 samples. `WindowBatchNormStatistics` reproduces the big batch: it records the
-statistics of each micro-batch, combines them exactly over the window and
-updates the moving statistics once, when the window's update is applied.
+statistics of each micro-batch, combines them exactly over the window (and,
+under `tf.distribute`, over the replicas) and updates the moving statistics
+once, when the window's update is applied.
 
 This module is specific to the TensorFlow backend.
 """
 
 import contextlib
-import warnings
+import threading
 
 import tensorflow as tf
 from keras import layers as keras_layers
 
 _BatchNormalization = keras_layers.BatchNormalization
+_MISSING = object()
 
 
 def window_batch_norm_layers(model):
@@ -59,8 +61,32 @@ def _statistics_dtype(variable):
     return tf.float32
 
 
+def _in_multi_replica_context():
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.num_replicas_in_sync > 1
+
+
+def _local_variable(initial_value, name):
+    """A variable local to each replica (a plain one without a strategy).
+
+    Read and written in replica context only; `ONLY_FIRST_REPLICA` so that
+    an eager read outside a replica context is not a collective.
+    """
+    return tf.Variable(
+        initial_value,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
 class _Slot:
-    """The window's running (count, mean, M2) of one call of one layer."""
+    """The window's running (count, mean, M2) of one call of one layer.
+
+    Under `tf.distribute` each replica holds its own: the statistics of the
+    samples of its share of the window's micro-batches.
+    """
 
     def __init__(self, layer, index):
         self.layer = layer
@@ -69,15 +95,11 @@ class _Slot:
         shape = tuple(layer.moving_mean.shape)
         prefix = f"{layer.name}_call{index}_window_"
         with tf.init_scope():
-            self.count = tf.Variable(
-                tf.zeros((), dtype), trainable=False, name=prefix + "count"
+            self.count = _local_variable(tf.zeros((), dtype), prefix + "count")
+            self.mean = _local_variable(
+                tf.zeros(shape, dtype), prefix + "mean"
             )
-            self.mean = tf.Variable(
-                tf.zeros(shape, dtype), trainable=False, name=prefix + "mean"
-            )
-            self.m2 = tf.Variable(
-                tf.zeros(shape, dtype), trainable=False, name=prefix + "m2"
-            )
+            self.m2 = _local_variable(tf.zeros(shape, dtype), prefix + "m2")
 
     def add(self, count, mean, variance):
         """Adds one micro-batch (Chan et al.'s parallel combination)."""
@@ -100,14 +122,25 @@ class _Slot:
         )
         self.count.assign(total)
 
-    def update_moving_statistics(self):
-        """`moving = moving * momentum + window * (1 - momentum)` if n > 0."""
+    def update_moving_statistics(self, count=None, mean=None, m2=None):
+        """`moving = moving * momentum + window * (1 - momentum)` if n > 0.
+
+        Args:
+            count, mean, m2: the window's statistics; by default this
+                slot's own (one replica). Under `tf.distribute`, those
+                combined over the replicas, in cross-replica context.
+        """
         layer = self.layer
         momentum = layer.momentum
-        count = self.count.read_value()
+        if count is None:
+            count = self.count.read_value()
+            mean = self.mean.read_value()
+            m2 = self.m2.read_value()
         has_samples = count > 0
-        window_mean = self.mean.read_value()
-        window_variance = tf.math.divide_no_nan(self.m2.read_value(), count)
+        window_mean = tf.reshape(mean, self.mean.shape)
+        window_variance = tf.reshape(
+            tf.math.divide_no_nan(m2, count), self.m2.shape
+        )
         for variable, value in (
             (layer.moving_mean, window_mean),
             (layer.moving_variance, window_variance),
@@ -124,17 +157,17 @@ class _Slot:
 
 
 def _count(layer, inputs, mask):
-    """Number of values per channel that `layer._moments` reduced over."""
+    """Number of values per channel that `layer._moments` reduced over.
+
+    Always this replica's own count, also for `synchronized=True` layers,
+    whose mean and variance are those of the global micro-batch: summed over
+    the replicas, the local counts weight each micro-batch by its global
+    count, so nothing is counted twice and no reduction is needed here.
+    """
     if mask is not None:
-        count = tf.reduce_sum(tf.cast(mask, tf.int64))
-    else:
-        shape = tf.shape(inputs, out_type=tf.int64)
-        count = tf.reduce_prod(tf.gather(shape, layer._reduction_axes))
-    if layer.synchronized:
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            count = context.all_reduce(tf.distribute.ReduceOp.SUM, count)
-    return count
+        return tf.reduce_sum(tf.cast(mask, tf.int64))
+    shape = tf.shape(inputs, out_type=tf.int64)
+    return tf.reduce_prod(tf.gather(shape, layer._reduction_axes))
 
 
 class WindowBatchNormStatistics:
@@ -167,9 +200,8 @@ class WindowBatchNormStatistics:
 
     Mechanism: during the forward pass of a micro-batch each layer's
     `_moments()` is wrapped to record every call's count, mean and variance,
-    and the assignment Keras then makes to the moving statistics is undone:
-    their values from before the layer's first call are written back (safe
-    for a non-finite micro-batch too; no `momentum=1` trick, as
+    and the assignment Keras then makes to the moving statistics is not
+    made (safe for a non-finite micro-batch too; no `momentum=1` trick, as
     `NaN * 0 = NaN`). When the window ends and its update was applied, the
     moving statistics are updated once; a window skipped by the non-finite
     policy leaves them unchanged. A micro-batch whose statistics are not
@@ -179,14 +211,33 @@ class WindowBatchNormStatistics:
     Keras divides by that count plus 1e-7, so masked statistics match the
     big batch to about that relative tolerance.
 
+    Under `tf.distribute` (`MirroredStrategy`, `MultiWorkerMirroredStrategy`)
+    the statistics are those of the global window: all replicas, all
+    micro-batches. Each replica accumulates `(n_r, mean_r, M2_r)` of its own
+    samples, with no communication on any micro-step; when a window's update
+    has been applied they are combined in two all-reduces for all layers
+    together, then the moving statistics (mirrored) are updated once:
+
+        n      = sum_r n_r
+        mean   = sum_r n_r * mean_r / n                       (1st all-reduce)
+        M2     = sum_r (M2_r + n_r * (mean_r - mean)**2)      (2nd all-reduce)
+        variance = M2 / n
+
+    Every term of the second sum is non-negative, so nothing cancels (unlike
+    `sum(x**2) - n * mean**2`): exact to rounding in float64 and stable in
+    float32 whatever the ratio of mean to standard deviation. A skipped
+    window and the micro-steps that end no window make no reduction, nor
+    does a model without windowed BatchNormalization layers.
+    `synchronized=True` layers record their global micro-batch mean and
+    variance with the replica's local count, so the same combination gives
+    the global window without counting anything twice.
+
     Not covered (Keras' per-call updates are kept): `renorm=True` layers
     (their renormalisation statistics are a different update), subclasses
     that override `call()`, calls traced inside a `tf.cond`/`tf.while_loop`
-    of the model's own `call()`, `gradient_accumulation_steps=1` (identical
-    to Keras) and training under a `tf.distribute` strategy with more than
-    one replica (not yet supported: a warning is issued once and Keras'
-    per-micro-batch updates are kept). Frozen layers (`trainable=False`) run
-    in inference mode and update nothing, as in Keras.
+    of the model's own `call()`, and `gradient_accumulation_steps=1`
+    (identical to Keras). Frozen layers (`trainable=False`) run in inference
+    mode and update nothing, as in Keras.
 
     Args:
         enabled: bool, whether to window the moving statistics. If `False`
@@ -214,44 +265,28 @@ class WindowBatchNormStatistics:
             )
         self.enabled = enabled
         self._slots = {}  # (id(layer), call index) -> _Slot, in creation order
-        self._warned_distributed = False
+        # `MirroredStrategy` traces each replica's step in a thread of its
+        # own: the patches are shared (counted), the recordings per thread.
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._patches = {}  # id(layer) -> _LayerPatch
 
     @property
     def slots(self):
         """The per-(layer, call) accumulators created so far."""
         return list(self._slots.values())
 
-    def _active(self, model, bn_layers):
-        if not bn_layers:
-            return False
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            if not self._warned_distributed:
-                self._warned_distributed = True
-                warnings.warn(
-                    "GradientAccumulationModel: per-window BatchNormalization "
-                    "statistics are not yet supported with several replicas; "
-                    "the moving statistics are updated on every micro-batch "
-                    "(Keras' behaviour).",
-                    stacklevel=3,
-                )
-            return False
-        return True
-
     def build(self, model):
         """Creates the window's variables for one call of each layer.
 
-        Call before the train function is traced (a layer called several
-        times per forward pass gets its further variables while tracing).
+        Call before the train function is traced, inside the distribution
+        strategy's scope if any (a layer called several times per forward
+        pass gets its further variables while tracing).
 
         Args:
             model: the `GradientAccumulationModel` to be trained.
         """
-        if (
-            not self.enabled
-            or model.gradient_accumulation_steps == 1
-            or model.distribute_strategy.num_replicas_in_sync > 1
-        ):
+        if not self.enabled or model.gradient_accumulation_steps == 1:
             return
         for layer in window_batch_norm_layers(model):
             if layer.built:
@@ -261,10 +296,10 @@ class WindowBatchNormStatistics:
     def record(self, model):
         """Records the BatchNormalization statistics of one forward pass.
 
-        Wrap the training forward pass of one micro-batch. Each layer's
-        moving statistics are read on its first call (layers still unbuilt on
-        entry are built by that call), restored to those values on exit, and
-        each call's count, mean and variance are added to the window.
+        Wrap the training forward pass of one micro-batch. Each call's count,
+        mean and variance are added to the window, and Keras' update of the
+        moving statistics is not made (layers still unbuilt on entry are
+        built by their first call).
 
         Args:
             model: the `GradientAccumulationModel` being trained.
@@ -276,42 +311,25 @@ class WindowBatchNormStatistics:
             yield
             return
         bn_layers = window_batch_norm_layers(model)
-        if not self._active(model, bn_layers):
+        if not bn_layers:
             yield
             return
-        calls = {id(layer): [] for layer in bn_layers}
-        snapshots = {}
-        graph = _current_graph()
-        patched = []
-        for layer in bn_layers:
-            own = layer.__dict__.get("_moments")
-            patched.append((layer, own))
-            object.__setattr__(
-                layer,
-                "_moments",
-                _recording_moments(
-                    layer, layer._moments, calls[id(layer)], snapshots, graph
-                ),
-            )
+        recording = _Recording(model, bn_layers)
+        previous = getattr(self._local, "recording", None)
+        self._local.recording = recording
+        self._patch(bn_layers)
         try:
             yield
         finally:
-            for layer, own in patched:
-                if own is None:
-                    object.__delattr__(layer, "_moments")
-                else:
-                    object.__setattr__(layer, "_moments", own)
+            self._local.recording = previous
+            self._unpatch(bn_layers)
         recorded = [
-            (layer, calls[id(layer)]) for layer in bn_layers if calls[id(layer)]
+            (layer, recording.calls[id(layer)])
+            for layer in bn_layers
+            if recording.calls[id(layer)]
         ]
-        if not recorded or not model.trainable_weights:
-            # Without trainable weights no window is ever counted: keep
-            # Keras' per-call updates.
+        if not recorded:
             return
-        for layer, _ in recorded:
-            mean, variance = snapshots[id(layer)]
-            layer.moving_mean.assign(mean)
-            layer.moving_variance.assign(variance)
         finite = tf.reduce_all(
             tf.stack(
                 [
@@ -353,6 +371,10 @@ class WindowBatchNormStatistics:
     def end_window(self, applied, window_ended=True):
         """Updates the moving statistics once if applied, then resets.
 
+        Under several replicas call it in replica context, on every replica
+        (as the train step does); `applied` and `window_ended` must be the
+        same on all replicas.
+
         Args:
             applied: bool tensor, whether the window's update was applied;
                 if not (a skipped window) the moving statistics are kept.
@@ -360,6 +382,9 @@ class WindowBatchNormStatistics:
         """
         slots = self.slots
         if not slots:
+            return
+        if _in_multi_replica_context():
+            self._end_window_distributed(slots, applied, window_ended)
             return
 
         def update():
@@ -378,6 +403,44 @@ class WindowBatchNormStatistics:
         else:
             tf.cond(window_ended, finish, lambda: tf.constant(False))
 
+    def _end_window_distributed(self, slots, applied, window_ended):
+        """The window's end under several replicas.
+
+        The moving statistics are mirrored: they are updated in
+        cross-replica context (`merge_call`), inside a `tf.cond` there, as
+        the optimizer's update is. The reductions run only in the branch of
+        a window whose update was applied, in the same order on every
+        worker.
+        """
+        context = tf.distribute.get_replica_context()
+        window_ended = tf.convert_to_tensor(window_ended, tf.bool)
+        applied = tf.convert_to_tensor(applied, tf.bool)
+
+        def cross_replica(distribution, window_ended, applied):
+            window_ended = distribution.experimental_local_results(
+                window_ended
+            )[0]
+            applied = distribution.experimental_local_results(applied)[0]
+
+            def update():
+                _update_from_replicas(distribution, slots)
+                return tf.constant(True)
+
+            return tf.cond(
+                tf.logical_and(window_ended, applied),
+                update,
+                lambda: tf.constant(False),
+            )
+
+        context.merge_call(cross_replica, args=(window_ended, applied))
+
+        def reset_local():
+            for slot in slots:
+                slot.reset()
+            return tf.constant(True)
+
+        tf.cond(window_ended, reset_local, lambda: tf.constant(False))
+
     def reset(self):
         """Discards the statistics of the pending window."""
         for slot in self.slots:
@@ -391,39 +454,208 @@ class WindowBatchNormStatistics:
             self._slots[key] = slot
         return slot
 
+    # ------------------------------------------------------------------
+    # Patches of the layers, while forward passes are recorded
+    # ------------------------------------------------------------------
+    def _patch(self, layers):
+        with self._lock:
+            for layer in layers:
+                patch = self._patches.get(id(layer))
+                if patch is None:
+                    patch = _LayerPatch(layer)
+                    patch.install_moments(self._recording_moments(layer))
+                    self._patches[id(layer)] = patch
+                patch.users += 1
+
+    def _unpatch(self, layers):
+        with self._lock:
+            for layer in layers:
+                patch = self._patches[id(layer)]
+                patch.users -= 1
+                if patch.users == 0:
+                    patch.remove()
+                    del self._patches[id(layer)]
+
+    def _recording_moments(self, layer):
+        """`layer._moments`, recording each call's (count, mean, variance).
+
+        Calls in another thread's or no recording, and calls traced in
+        another graph (Keras building a layer with a symbolic scratch call,
+        or a call inside a `tf.cond` branch) are not recorded: their Keras
+        updates are kept.
+        """
+        original = layer._moments
+
+        def _moments(inputs, mask):
+            recording = getattr(self._local, "recording", None)
+            if recording is None or not recording.wants(layer, inputs):
+                if recording is not None:
+                    recording.suppress[id(layer)] = False
+                return original(inputs, mask)
+            mean, variance = original(inputs, mask)
+            recording.calls[id(layer)].append(
+                (
+                    _count(layer, inputs, mask),
+                    tf.stop_gradient(mean),
+                    tf.stop_gradient(variance),
+                )
+            )
+            # The layer now assigns its moving statistics: not this time.
+            with self._lock:
+                self._patches[id(layer)].install_assign(
+                    self._suppressed_assign
+                )
+            recording.suppress[id(layer)] = True
+            return mean, variance
+
+        return _moments
+
+    def _suppressed_assign(self, layer, original):
+        """`variable.assign`, a no-op right after a recorded call."""
+
+        def assign(value, *args, **kwargs):
+            recording = getattr(self._local, "recording", None)
+            if (
+                recording is not None
+                and recording.suppress.get(id(layer))
+                and _current_graph() is recording.graph
+            ):
+                return value
+            return original(value, *args, **kwargs)
+
+        return assign
+
+
+class _Recording:
+    """What one forward pass (in one thread) has recorded."""
+
+    def __init__(self, model, layers):
+        self.model = model
+        self.graph = _current_graph()
+        self.calls = {id(layer): [] for layer in layers}
+        # Whether the layer's latest `_moments` call was recorded (then its
+        # following assignments to the moving statistics are not made).
+        self.suppress = {}
+        self._has_trainable_weights = None
+
+    def wants(self, layer, inputs):
+        if not tf.is_tensor(inputs) or _current_graph() is not self.graph:
+            return False
+        if id(layer) not in self.calls:
+            return False
+        if self._has_trainable_weights is None:
+            # Without trainable weights no window is ever counted: keep
+            # Keras' per-call updates.
+            self._has_trainable_weights = bool(self.model.trainable_weights)
+        return self._has_trainable_weights
+
+
+class _LayerPatch:
+    """`_moments` and the moving statistics' `assign` of one layer, patched."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.users = 0
+        self._own_moments = layer.__dict__.get("_moments", _MISSING)
+        self._assigns = None  # [(variable, own `assign` attribute)]
+
+    def install_moments(self, moments):
+        object.__setattr__(self.layer, "_moments", moments)
+
+    def install_assign(self, make_assign):
+        if self._assigns is not None:
+            return
+        self._assigns = []
+        for variable in (self.layer.moving_mean, self.layer.moving_variance):
+            own = variable.__dict__.get("assign", _MISSING)
+            object.__setattr__(
+                variable, "assign", make_assign(self.layer, variable.assign)
+            )
+            self._assigns.append((variable, own))
+
+    def remove(self):
+        _restore(self.layer, "_moments", self._own_moments)
+        for variable, own in self._assigns or ():
+            _restore(variable, "assign", own)
+        self._assigns = None
+
+
+def _restore(obj, name, own):
+    if own is _MISSING:
+        object.__delattr__(obj, name)
+    else:
+        object.__setattr__(obj, name, own)
+
+
+def _update_from_replicas(distribution, slots):
+    """Combines the replicas' statistics; updates the moving statistics.
+
+    In cross-replica context. Two all-reduces, for all slots at once: the
+    counts and `n_r * mean_r`, then `M2_r + n_r * (mean_r - mean)**2`.
+    """
+    dtype = (
+        tf.float64
+        if any(slot.count.dtype == tf.float64 for slot in slots)
+        else tf.float32
+    )
+    sizes = [slot.mean.shape.num_elements() for slot in slots]
+
+    def local_statistics():
+        return [
+            (
+                tf.cast(slot.count.read_value(), dtype),
+                tf.reshape(tf.cast(slot.mean.read_value(), dtype), [-1]),
+                tf.reshape(tf.cast(slot.m2.read_value(), dtype), [-1]),
+            )
+            for slot in slots
+        ]
+
+    def first_moments():
+        local = local_statistics()
+        counts = tf.stack([count for count, _, _ in local])
+        return tf.concat(
+            [counts] + [count * mean for count, mean, _ in local], axis=0
+        )
+
+    def second_moments(means):
+        means = tf.split(means, sizes)
+        return tf.concat(
+            [
+                m2 + count * tf.square(mean - global_mean)
+                for (count, mean, m2), global_mean in zip(
+                    local_statistics(), means
+                )
+            ],
+            axis=0,
+        )
+
+    sum_op = tf.distribute.ReduceOp.SUM
+    totals = distribution.reduce(
+        sum_op,
+        distribution.extended.call_for_each_replica(first_moments),
+        axis=None,
+    )
+    counts = tf.unstack(totals[: len(slots)])
+    means = [
+        tf.math.divide_no_nan(total, count)
+        for total, count in zip(tf.split(totals[len(slots) :], sizes), counts)
+    ]
+    m2s = tf.split(
+        distribution.reduce(
+            sum_op,
+            distribution.extended.call_for_each_replica(
+                second_moments, args=(tf.concat(means, axis=0),)
+            ),
+            axis=None,
+        ),
+        sizes,
+    )
+    for slot, count, mean, m2 in zip(slots, counts, means, m2s):
+        slot.update_moving_statistics(count, mean, m2)
+
 
 def _current_graph():
     """The graph being built, or `None` when executing eagerly."""
     if tf.executing_eagerly():
         return None
     return tf.compat.v1.get_default_graph()
-
-
-def _recording_moments(layer, original, calls, snapshots, graph):
-    """`layer._moments`, recording each call's (count, mean, variance).
-
-    On the layer's first call the moving statistics are read, before the
-    layer assigns them. Calls traced in another graph (Keras building a
-    layer with a symbolic scratch call, or a call inside a `tf.cond` branch)
-    are not recorded: their Keras updates are kept.
-    """
-
-    def _moments(inputs, mask):
-        if not tf.is_tensor(inputs) or _current_graph() is not graph:
-            return original(inputs, mask)
-        if id(layer) not in snapshots:
-            snapshots[id(layer)] = (
-                tf.identity(tf.convert_to_tensor(layer.moving_mean)),
-                tf.identity(tf.convert_to_tensor(layer.moving_variance)),
-            )
-        mean, variance = original(inputs, mask)
-        calls.append(
-            (
-                _count(layer, inputs, mask),
-                tf.stop_gradient(mean),
-                tf.stop_gradient(variance),
-            )
-        )
-        return mean, variance
-
-    return _moments

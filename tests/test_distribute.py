@@ -7,6 +7,12 @@ reference, plain `keras.Model` on one device with one big batch per window of
 the same samples, and prints the relative update difference (float64) and
 the cross-device reductions executed inside each train step.
 
+The `batchnorm` case checks the per-window BatchNormalization moving
+statistics: those of the global window (all replicas, all micro-batches),
+updated once per applied window, with two more reductions per update (for
+all layers together) and none on the other steps. Models without
+BatchNormalization get no extra reduction.
+
 XLA is not covered: under `MirroredStrategy` over several devices,
 TensorFlow rejects `jit_compile=True` for plain `keras.Model` just as for
 ours ("Trying to access resource ... located in device ..."), and Keras'
@@ -26,6 +32,10 @@ TIMEOUT = 240
 # Per update: the optimizer's all-reduce of the gradients, and one of three
 # scalars (micro-batches, accumulated micro-batches, normaliser).
 PER_UPDATE = 2
+# With windowed BatchNormalization layers, per update: the counts and sums,
+# then the sums of squared deviations from the global mean.
+BN_PER_UPDATE = 2
+CASES = ["default", "masked", "overflow", "batchnorm"]
 
 
 def _env(extra=None):
@@ -39,31 +49,45 @@ def _result(stdout):
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def _per_update(case):
+    return PER_UPDATE + (BN_PER_UPDATE if case == "batchnorm" else 0)
+
+
 def _check(result, case):
     assert result["replicas"] == 2
     assert result["relative_update_difference"] <= 1e-9, result
     assert result["iterations"] == result["reference_iterations"]
     if case == "overflow":
         assert result["skipped_windows"] == 2  # window 0 of each epoch
+    if case == "batchnorm":
+        # Three layers' moving mean and variance, all compared.
+        assert result["moving_statistics"] == 6
+        assert result["moving_statistics_difference"] <= 1e-9, result
     if _log_reductions(result) == 0:
-        # One call reduces all gradients at once (plus the scalars' call).
+        # One call reduces all gradients at once (plus the scalars' call,
+        # and the two calls of the BatchNormalization statistics).
         assert result["reduced_tensors"] == (
-            result["iterations"] * (result["trainable_tensors"] + 1)
+            result["iterations"]
+            * (result["trainable_tensors"] + _per_update(case) - 1)
             + result["skipped_windows"]
         )
     assert result["reductions"] == (
-        PER_UPDATE * result["iterations"] + result["skipped_windows"]
+        _per_update(case) * result["iterations"] + result["skipped_windows"]
     ) + _log_reductions(result)
 
 
 def _log_reductions(result):
-    """Reductions of the logs that Keras itself does on every step."""
+    """Reductions that Keras itself does on every step.
+
+    Those of the logs (multi-worker), and for the `batchnorm` case those of
+    the `synchronized=True` layer's moments in every forward pass.
+    """
     return len(result["reductions_per_step"]) * min(
         d for _, d in result["reductions_per_step"]
     )
 
 
-@pytest.mark.parametrize("case", ["default", "masked", "overflow"])
+@pytest.mark.parametrize("case", CASES)
 def test_mirrored_strategy(case):
     run = subprocess.run(
         [sys.executable, WORKER, "--strategy", "mirrored", "--case", case],
@@ -73,9 +97,15 @@ def test_mirrored_strategy(case):
     result = _result(run.stdout)
     _check(result, case)
     # Within the train steps: reductions only on steps that end a window
-    # (full windows; partial ones are flushed after the epoch's last step).
+    # (full windows; partial ones are flushed after the epoch's last step),
+    # over Keras' own on every step (none without synchronized layers).
+    # Keras' synchronized moments: three all-reduces (sums, sums of squares,
+    # counts) per forward pass; nothing of ours on every micro-step.
+    base = min(d for _, d in result["reductions_per_step"])
+    assert base == (3 if case == "batchnorm" else 0)
     for applied, reductions in result["reductions_per_step"]:
-        assert reductions == (PER_UPDATE if applied else 0) or (
+        reductions -= base
+        assert reductions == (_per_update(case) if applied else 0) or (
             case == "overflow" and reductions == 1 and not applied
         )
 
@@ -86,7 +116,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["masked", "overflow"])
+@pytest.mark.parametrize("case", ["masked", "overflow", "batchnorm"])
 def test_multi_worker_mirrored_strategy(case):
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     processes = []
@@ -116,13 +146,14 @@ def test_multi_worker_mirrored_strategy(case):
     assert results[0]["reductions_per_step"] == results[1][
         "reductions_per_step"
     ]
-    # Over Keras' per-step log reductions: 2 on steps that apply an update,
-    # 1 on a skipped window's last step (the scalars), 0 on the others.
+    # Over Keras' per-step reductions: 2 on steps that apply an update (4
+    # with BatchNormalization), 1 on a skipped window's last step (the
+    # scalars), 0 on the others.
     base = min(d for _, d in results[0]["reductions_per_step"])
     extra = [d - base for _, d in results[0]["reductions_per_step"]]
     window_end = [0, 0, 1, 0, 0, 1, 0, 0] * 2  # windows of 3, then flushed
     if case == "overflow":
         expected = [0, 0, 1, 0, 0, 2, 0, 0] * 2
     else:
-        expected = [2 * w for w in window_end]
+        expected = [_per_update(case) * w for w in window_end]
     assert extra == expected

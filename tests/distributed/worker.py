@@ -5,6 +5,7 @@ setup and the cluster do not leak into other tests. Prints one JSON line.
 
 Usage:
     python worker.py --strategy mirrored --case masked
+    python worker.py --strategy mirrored --case batchnorm
     TF_CONFIG=... python worker.py --strategy multiworker --case default
 """
 
@@ -80,8 +81,10 @@ def _count_tensors(method, args):
     return len(args[0])
 
 
-def build_model(cls, keras, masked, **kwargs):
-    if masked:
+def build_model(cls, keras, case, **kwargs):
+    if case == "batchnorm":
+        return build_batch_norm_model(cls, keras, **kwargs)
+    if case == "masked":
         inputs = keras.Input((6, 6, 2))
         h = keras.layers.Conv2D(3, 3, padding="same", activation="tanh")(
             inputs
@@ -94,9 +97,50 @@ def build_model(cls, keras, masked, **kwargs):
     return cls(inputs, outputs, **kwargs)
 
 
-def make_data(masked, overflow):
+def build_batch_norm_model(cls, keras, **kwargs):
+    """BatchNormalization layers directly on the input, on side branches.
+
+    Their moving statistics depend on the input only, so they must equal the
+    reference's whatever the weights. A frozen all-zero `Dense` adds exactly
+    zero to the logits: the gradients of the BatchNormalization weights are
+    exactly zero and every other weight must also equal the reference's
+    (with BatchNormalization on the main path, each micro-batch is normalised
+    by its own statistics and the weights cannot equal one big batch's).
+    Layers: a plain one, a `synchronized=True` one and one called twice.
+    """
+    layers = keras.layers
+    inputs = keras.Input((6,))
+    h = layers.Dense(5, activation="tanh")(inputs)
+    logits = layers.Dense(3)(h)
+    shared = layers.BatchNormalization(momentum=0.6)
+    side = layers.Concatenate()(
+        [
+            layers.BatchNormalization(momentum=0.7)(inputs),
+            layers.BatchNormalization(momentum=0.8, synchronized=True)(inputs),
+            shared(inputs),
+            shared(layers.Rescaling(-2.0, offset=1.0)(inputs)),
+        ]
+    )
+    zero = layers.Dense(
+        3, use_bias=False, kernel_initializer="zeros", trainable=False
+    )(side)
+    outputs = layers.Add()([logits, zero])
+    return cls(inputs, outputs, **kwargs)
+
+
+def make_data(case):
     rng = np.random.default_rng(0)
-    if masked:
+    masked, overflow = case == "masked", case == "overflow"
+    if case == "batchnorm":
+        # Each sample's place in its micro-batch sets its scale and offset:
+        # every replica (and worker) holds different places, so the
+        # per-replica statistics differ from each other and from the
+        # global ones.
+        place = (np.arange(SAMPLES) % GLOBAL_MICRO_BATCH)[:, None]
+        x = rng.normal(size=(SAMPLES, 6)) * (1.0 + place) + 2.0 * place
+        x = x * np.linspace(0.5, 2.0, 6) + np.linspace(-1.0, 1.0, 6)
+        y = rng.integers(0, 3, size=(SAMPLES,))
+    elif masked:
         x = rng.normal(size=(SAMPLES, 6, 6, 2))
         y = rng.integers(0, 3, size=(SAMPLES, 6, 6))
         for i in range(SAMPLES):  # 0% .. 80% ignored, varying per sample
@@ -113,7 +157,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["mirrored", "multiworker"])
     parser.add_argument(
-        "--case", choices=["default", "masked", "overflow"], default="default"
+        "--case",
+        choices=["default", "masked", "overflow", "batchnorm"],
+        default="default",
     )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-count", action="store_true")
@@ -141,7 +187,7 @@ def main():
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
     masked = args.case == "masked"
-    x, y = make_data(masked, args.case == "overflow")
+    x, y = make_data(args.case)
 
     def loss():
         return keras.losses.SparseCategoricalCrossentropy(
@@ -149,13 +195,13 @@ def main():
         )
 
     keras.utils.set_random_seed(0)
-    reference = build_model(keras.Model, keras, masked)
+    reference = build_model(keras.Model, keras, args.case)
     initial = reference.get_weights()
 
     counter = ReductionCounter(strategy, enabled=not args.no_count)
     with strategy.scope():
         ours = build_model(
-            keras_accum.GradientAccumulationModel, keras, masked,
+            keras_accum.GradientAccumulationModel, keras, args.case,
             gradient_accumulation_steps=STEPS,
             non_finite_policy="skip_window",
         )
@@ -218,15 +264,34 @@ def main():
                 continue  # the window with a non-finite micro-batch is skipped
             reference.train_on_batch(xb, yb)
 
-    diff = 0.0
-    for w0, a, b in zip(initial, reference.get_weights(), ours.get_weights()):
-        da, db = a - w0, b - w0
-        diff = max(diff, float(np.max(np.abs(da - db)) / np.max(np.abs(da))))
+    def difference(weights):
+        """max over weights of max|change - reference's| / max|reference's|.
+
+        A weight the reference leaves unchanged contributes its absolute
+        change.
+        """
+        diff = 0.0
+        for w0, a, b in weights:
+            da, db = a - w0, b - w0
+            scale = float(np.max(np.abs(da)))
+            change = float(np.max(np.abs(da - db)))
+            diff = max(diff, change / scale if scale > 0 else change)
+        return diff
+
+    weights = list(zip(initial, reference.get_weights(), ours.get_weights()))
+    diff = difference(weights)
+    moving = [
+        i for i, v in enumerate(reference.weights)
+        if "moving_mean" in v.path or "moving_variance" in v.path
+    ]
+    moving_diff = difference([weights[i] for i in moving])
     micro_batches = args.epochs * -(-SAMPLES // GLOBAL_MICRO_BATCH)
     print(json.dumps({
         "worker": worker,
         "replicas": replicas,
         "relative_update_difference": diff,
+        "moving_statistics": len(moving),
+        "moving_statistics_difference": moving_diff,
         "iterations": int(ours.optimizer.iterations.numpy()),
         "reference_iterations": int(reference.optimizer.iterations.numpy()),
         "skipped_windows": int(ours.skipped_windows.numpy()),
