@@ -54,9 +54,17 @@ def _state_variable(initial_value, dtype, name, aggregation):
     )
 
 
-def _in_multi_replica_context():
-    context = tf.distribute.get_replica_context()
-    return context is not None and context.num_replicas_in_sync > 1
+def in_strategy_replica_context():
+    """Whether this runs in a replica context of a `tf.distribute` strategy.
+
+    Also with one replica (a `MirroredStrategy` on a single device): the
+    optimizer's update calls `merge_call` there too, so the window's end must
+    be decided in cross-replica context.
+    """
+    return (
+        tf.distribute.has_strategy()
+        and tf.distribute.get_replica_context() is not None
+    )
 
 
 class GradientAccumulator(tf.Module):
@@ -389,7 +397,7 @@ class GradientAccumulator(tf.Module):
                 if (
                     policy == "drop_micro_batch"
                     and is_loss_scale_optimizer(optimizer)
-                    and not _in_multi_replica_context()
+                    and not in_strategy_replica_context()
                 ):
                     _shrink_loss_scale(optimizer)
                 return tf.constant(False)
@@ -420,7 +428,7 @@ class GradientAccumulator(tf.Module):
             ready = self.micro_step > 0
         else:
             ready = self.micro_step >= self.gradient_accumulation_steps
-        if _in_multi_replica_context():
+        if in_strategy_replica_context():
             return self._maybe_finish_distributed(
                 optimizer, variables, policy, ready
             )

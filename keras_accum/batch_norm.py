@@ -19,6 +19,8 @@ import threading
 import tensorflow as tf
 from keras import layers as keras_layers
 
+from keras_accum.accumulator import in_strategy_replica_context
+
 _BatchNormalization = keras_layers.BatchNormalization
 _MISSING = object()
 
@@ -59,11 +61,6 @@ def _statistics_dtype(variable):
     if tf.as_dtype(variable.dtype) == tf.float64:
         return tf.float64
     return tf.float32
-
-
-def _in_multi_replica_context():
-    context = tf.distribute.get_replica_context()
-    return context is not None and context.num_replicas_in_sync > 1
 
 
 def _local_variable(initial_value, name):
@@ -383,7 +380,7 @@ class WindowBatchNormStatistics:
         slots = self.slots
         if not slots:
             return
-        if _in_multi_replica_context():
+        if in_strategy_replica_context():
             self._end_window_distributed(slots, applied, window_ended)
             return
 

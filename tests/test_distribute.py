@@ -157,3 +157,40 @@ def test_multi_worker_mirrored_strategy(case):
     else:
         expected = [_per_update(case) * w for w in window_end]
     assert extra == expected
+
+
+def test_single_replica_mirrored_strategy(float64):
+    """One replica (a strategy on a single device) takes the same path."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from conftest import assert_close_to_reference
+    from helpers import classification_data
+    from helpers import dense_net
+
+    import keras_accum
+
+    x, y = classification_data(n=30)
+    keras.utils.set_random_seed(0)
+    reference = keras.Model(*dense_net())
+    initial = [np.array(w) for w in reference.get_weights()]
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        ours = keras_accum.GradientAccumulationModel(
+            *dense_net(), gradient_accumulation_steps=3
+        )
+        ours.set_weights(initial)
+        ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=_scce())
+    ours.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_scce())
+    reference.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+    assert_close_to_reference(
+        "MirroredStrategy with one replica",
+        initial, reference.get_weights(), ours.get_weights(), 1e-9,
+    )
+
+
+def _scce():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -1,0 +1,244 @@
+"""Smoke tests of the examples in `examples/`.
+
+Every example's `main()` runs end to end with `--smoke` (tiny images, a few
+steps) into a temporary output directory. Nothing is downloaded:
+`synthetic_shapes` is generated locally and `oxford_iiit_pet` is replaced by
+`tfds.testing.mock_data`.
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+EXAMPLES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"
+)
+sys.path.insert(0, EXAMPLES)
+
+import compare_accumulation  # noqa: E402
+import custom_training_loop  # noqa: E402
+import segmentation  # noqa: E402
+import synthetic_shapes  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+    assert os.path.isfile(path), path
+    assert os.path.getsize(path) > 1000, path
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC, path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A TFDS data dir holding `synthetic_shapes/small`, generated once."""
+    path = str(tmp_path_factory.mktemp("tensorflow_datasets"))
+    tfds.builder("synthetic_shapes/small", data_dir=path).download_and_prepare()
+    return path
+
+
+# ---------------------------------------------------------------------------
+# synthetic_shapes
+# ---------------------------------------------------------------------------
+
+
+def test_render_example_is_deterministic_and_labelled():
+    first = synthetic_shapes.render_example(
+        np.random.default_rng([0, 0, 7]), 64
+    )
+    second = synthetic_shapes.render_example(
+        np.random.default_rng([0, 0, 7]), 64
+    )
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    image, mask, shapes = first
+    assert image.shape == (64, 64, 3) and image.dtype == np.uint8
+    assert mask.shape == (64, 64, 1) and mask.dtype == np.uint8
+    values = set(np.unique(mask).tolist())
+    assert values <= {0, 1, 2, 3, synthetic_shapes.IGNORE_LABEL}
+    assert synthetic_shapes.IGNORE_LABEL in values  # The border band.
+    assert set(shapes) <= {1, 2, 3} and len(shapes) >= 1
+    for shape in shapes:
+        assert shape in values
+
+
+def test_ignore_band_separates_regions():
+    labels = np.zeros((9, 9), dtype=np.uint8)
+    labels[3:6, 3:6] = 2
+    band = synthetic_shapes._ignore_band(labels)
+    # One pixel on each side of the boundary: a ring two pixels wide.
+    assert band[4, 4] == 0 and band[3, 3] and band[2, 2] and not band[1, 1]
+
+
+def test_synthetic_shapes_loads_through_tfds(data_dir):
+    builder = tfds.builder("synthetic_shapes/small", data_dir=data_dir)
+    assert builder.info.splits["train"].num_examples == 128
+    assert builder.info.splits["test"].num_examples == 64
+    train = tfds.load(
+        "synthetic_shapes/small", split="train", data_dir=data_dir
+    )
+    example = next(iter(tfds.as_numpy(train)))
+    assert example["image"].shape == (32, 32, 3)
+    assert example["segmentation_mask"].shape == (32, 32, 1)
+
+
+# ---------------------------------------------------------------------------
+# segmentation.py
+# ---------------------------------------------------------------------------
+
+
+def test_segmentation_smoke(data_dir, tmp_path):
+    result = segmentation.main(
+        [
+            "--smoke",
+            "--data-dir",
+            data_dir,
+            "--output-dir",
+            str(tmp_path),
+            "--verbose",
+            "0",
+        ]
+    )
+    for name in ("predictions", "training_curves"):
+        assert_png(result["paths"][name])
+    assert (
+        math.isfinite(result["val_mean_iou"])
+        and 0.0 <= result["val_mean_iou"] <= 1.0
+    )
+    assert math.isfinite(result["val_loss"])
+    # 24 examples in micro-batches of 4, two per update: 3 updates per epoch.
+    assert result["optimizer_updates"] == 3 * 2
+    with open(result["paths"]["metrics"]) as f:
+        assert json.load(f)["val_mean_iou"] == pytest.approx(
+            result["val_mean_iou"]
+        )
+
+
+def test_pet_trimap_mapping():
+    trimap = tf.constant([[[1], [2]], [[3], [0]]], dtype=tf.uint8)
+    labels = segmentation._pet_labels(trimap).numpy()[..., 0]
+    np.testing.assert_array_equal(labels, [[1, 0], [255, 255]])
+
+
+def _fake_pets(
+    self, split, decoders=None, read_config=None, shuffle_files=False, **kwargs
+):
+    """Stands in for `oxford_iiit_pet`: odd-sized images with pet trimaps."""
+    seed = 0 if "train" in str(split) else 1
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(12):
+        height, width = rng.integers(40, 90, size=2)
+        image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        trimap = np.full((height, width, 1), 2, dtype=np.uint8)  # Background.
+        top, left = height // 4, width // 4
+        trimap[top : 3 * top, left : 3 * left] = 3  # Border...
+        trimap[top + 2 : 3 * top - 2, left + 2 : 3 * left - 2] = (
+            1  # ...around the pet.
+        )
+        image[trimap[..., 0] == 1] //= 3
+        examples.append((image, trimap))
+    dataset = tf.data.Dataset.from_generator(
+        lambda: ({"image": i, "segmentation_mask": m} for i, m in examples),
+        output_signature={
+            "image": tf.TensorSpec((None, None, 3), tf.uint8),
+            "segmentation_mask": tf.TensorSpec((None, None, 1), tf.uint8),
+        },
+    )
+    # Like a real TFDS split, the dataset knows its length.
+    return dataset.apply(tf.data.experimental.assert_cardinality(len(examples)))
+
+
+def test_segmentation_oxford_pet_smoke(tmp_path):
+    with tfds.testing.mock_data(
+        policy=tfds.testing.MockPolicy.USE_CODE,
+        as_dataset_fn=_fake_pets,
+    ):
+        result = segmentation.main(
+            [
+                "--dataset",
+                "oxford_iiit_pet",
+                "--smoke",
+                "--verbose",
+                "0",
+                "--mixed-precision",
+                "mixed_bfloat16",
+                "--output-dir",
+                str(tmp_path / "out"),
+            ]
+        )
+    assert_png(result["paths"]["predictions"])
+    assert_png(result["paths"]["training_curves"])
+    assert (
+        math.isfinite(result["val_mean_iou"])
+        and 0.0 <= result["val_mean_iou"] <= 1.0
+    )
+    assert math.isfinite(result["val_loss"])
+
+
+# ---------------------------------------------------------------------------
+# custom_training_loop.py
+# ---------------------------------------------------------------------------
+
+
+def test_custom_training_loop_smoke(data_dir, tmp_path):
+    result = custom_training_loop.main(
+        [
+            "--smoke",
+            "--data-dir",
+            data_dir,
+            "--output-dir",
+            str(tmp_path),
+            "--verbose",
+            "0",
+        ]
+    )
+    assert_png(result["paths"]["predictions"])
+    assert_png(result["paths"]["training_curves"])
+    assert math.isfinite(result["val_mean_iou"]) and math.isfinite(
+        result["val_loss"]
+    )
+    history = result["history"]
+    assert {"loss", "cross_entropy", "dice_loss", "mean_iou"} <= set(history)
+    # Weighted by valid pixels, the accumulated cross-entropy gradient is the
+    # big batch's; the batch-global Dice's is not.
+    gap = result["gradient_gap"]
+    assert gap["cross_entropy"] < 1e-4
+    assert gap["dice"] > 10 * gap["cross_entropy"]
+
+
+# ---------------------------------------------------------------------------
+# compare_accumulation.py
+# ---------------------------------------------------------------------------
+
+
+def test_compare_accumulation_smoke(data_dir, tmp_path):
+    summary = compare_accumulation.main(
+        ["--smoke", "--data-dir", data_dir, "--output-dir", str(tmp_path)]
+    )
+    assert_png(summary["figure"])
+    results = summary["results"]
+    small, accumulated, big = (results[r] for r in compare_accumulation.RUNS)
+    assert small["updates"] == 2 * accumulated["updates"]
+    assert accumulated["updates"] == big["updates"]
+    for run in results.values():
+        assert run["peak_rss_mb"] > 0
+        for key in ("val_loss", "val_mean_iou"):
+            assert all(math.isfinite(v) for v in run["history"][key])
+    # Same initial weights and data order: accumulation follows the big batch.
+    np.testing.assert_allclose(
+        accumulated["history"]["val_loss"],
+        big["history"]["val_loss"],
+        rtol=1e-3,
+    )
+    assert summary["initial_weights_max_difference"] == 0.0
+    assert summary["update_difference"] < 1e-3
+    assert "| batch 4 x 2 accumulation |" in summary["table"]
