@@ -103,8 +103,7 @@ class GradientAccumulationModel(keras.Model):
 
     def __new__(cls, *args, **kwargs):
         # Like `keras.Model(inputs, outputs)` returning a `Functional`, the
-        # functional form returns `FunctionalGradientAccumulationModel`
-        # rather than letting Keras rewrite this class's bases.
+        # functional form returns `FunctionalGradientAccumulationModel`.
         if cls is GradientAccumulationModel and functional_init_arguments(
             args, kwargs
         ):
@@ -129,6 +128,16 @@ class GradientAccumulationModel(keras.Model):
                 f"flush_at_epoch_end={flush_at_epoch_end!r}"
             )
         validate_policy(non_finite_policy)
+        if functional_init_arguments(args, kwargs) and not isinstance(
+            self, functional.Functional
+        ):
+            # A subclass built functionally becomes `Functional`, as Keras
+            # does for subclasses of `keras.Model`, but by adding the base to
+            # that subclass only: Keras would rewrite the bases of every
+            # class above it, this one included, which breaks subclassed
+            # models created afterwards.
+            cls = type(self)
+            cls.__bases__ = cls.__bases__ + (functional.Functional,)
         super().__init__(*args, **kwargs)
         self.flush_at_epoch_end = flush_at_epoch_end
         self.gradient_accumulator = GradientAccumulator(

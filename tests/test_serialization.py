@@ -84,3 +84,27 @@ def test_subclassed_model_round_trip(tmp_path):
         model.predict(np.ones((1, 3)), verbose=0),
         loaded.predict(np.ones((1, 3)), verbose=0),
     )
+
+
+def test_functional_use_of_a_subclass_leaves_the_base_alone():
+    """A subclass called with (inputs, outputs) becomes Functional; the base
+    class, and subclassed models created afterwards, do not."""
+
+    class Functionally(keras_accum.GradientAccumulationModel):
+        pass
+
+    class Subclassed(keras_accum.GradientAccumulationModel):
+        def __init__(self, units, **kwargs):  # one positional argument
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(units)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    functional_model = Functionally(*dense_net(), gradient_accumulation_steps=2)
+    assert isinstance(functional_model, keras.src.models.Functional)
+    assert keras_accum.GradientAccumulationModel.__bases__ == (keras.Model,)
+    model = Subclassed(2, gradient_accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((4, 3)), np.zeros((4, 2)), batch_size=2, verbose=0)
+    assert int(model.optimizer.iterations) == 1
