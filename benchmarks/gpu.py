@@ -1,0 +1,302 @@
+"""GPU check: step time and peak memory, plain vs GradientAccumulationModel,
+across precision policies and XLA on/off, on a realistically sized U-Net.
+
+Default: U-Net 256x256x3 (base 32 filters, depth 4, ~7.8M parameters),
+micro-batch B=16; configurations plain ``keras.Model``,
+``GradientAccumulationModel`` N=4 and N=8; policies float32, mixed_float16,
+mixed_bfloat16; ``jit_compile`` off and on. Target: under 5 minutes on one
+GPU (e.g. one H200).
+
+Each policy runs in its own subprocess (the Keras dtype policy is global).
+Inside it, for every (XLA, configuration):
+  * build + compile, ``gc.collect()``; baseline = GPU memory in use;
+    ``reset_memory_stats``; warm up (trace / compile, 16 micro-batches);
+    "first-steps peak" = peak - baseline;
+  * ``reset_memory_stats`` again and run ``--steps`` more micro-batches:
+    "steady peak" = peak - baseline (persistent optimizer slots and
+    accumulators included, one-time autotuning / compilation scratch not);
+then all configurations of that policy are timed in ``--rounds``
+interleaved rounds of ``--steps`` micro-batches (``model.train_function``
+on a persistent iterator over an in-memory repeated dataset; the clock stops
+after the last step's results reach the host). Reported: median ms per
+micro-batch (min-max over rounds) and the median of per-round ratios to plain.
+
+Without a GPU it prints a note and runs on CPU (use ``--quick``: tiny U-Net);
+memory is then TF's CPU tensor memory (BFC allocator enabled for the child).
+
+Usage:
+    python benchmarks/gpu.py                 # on a GPU machine
+    python benchmarks/gpu.py --quick         # CPU smoke test
+    python benchmarks/gpu.py --json benchmarks/results/gpu.json
+"""
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+RESULT_TAG = "GPU_BENCH_RESULT "
+
+
+def configs(ns):
+    return [("plain", 1)] + [("ours", n) for n in ns]
+
+
+def unet_spec(args):
+    return {
+        "arch": "unet",
+        "input_shape": [args.size, args.size, 3],
+        "num_classes": 3,
+        "base_filters": args.base_filters,
+        "depth": args.depth,
+    }
+
+
+# --------------------------------------------------------------------------
+# Child: one precision policy
+# --------------------------------------------------------------------------
+def run_child(args):
+    import common
+    import keras
+    import tensorflow as tf
+
+    common.configure_threads(args.intra, args.inter)
+    common.enable_memory_growth()
+    on_gpu = bool(common.gpus())
+    device = "GPU:0" if on_gpu else "CPU:0"
+    keras.mixed_precision.set_global_policy(args.policy)
+    ns = [int(v) for v in args.ns.split(",")]
+    xla_modes = [m.strip() == "on" for m in args.xla.split(",")]
+    spec = unet_spec(args)
+    weights = common.reference_weights(spec, seed=args.seed)
+    dataset = common.make_data(spec, args.batch, num_batches=2, seed=args.seed)
+
+    def mem():
+        try:
+            return tf.config.experimental.get_memory_info(device)
+        except (ValueError, RuntimeError):
+            return None
+
+    def reset():
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except (ValueError, RuntimeError):
+            pass
+
+    def run(model, iterator, steps):
+        logs = None
+        for _ in range(steps):
+            logs = model.train_function(iterator)
+        common.sync(model, logs)
+
+    entries = []
+    if not common.have_accum():
+        print("keras_accum not importable: only plain rows", file=sys.stderr)
+    for jit in xla_modes:
+        for kind, n in configs(ns):
+            if kind == "ours" and not common.have_accum():
+                continue
+            t0 = time.perf_counter()
+            model = common.build_model(spec, kind, n, jit, weights)
+            gc.collect()
+            info = mem()
+            baseline = info["current"] if info else None
+            reset()
+            warm = args.warmup // 2
+            model.fit(dataset, steps_per_epoch=warm, epochs=1, verbose=0, shuffle=False)
+            iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
+            run(model, iterator, args.warmup - warm)
+            info = mem()
+            first_peak = info["peak"] if info else None
+            reset()
+            run(model, iterator, args.steps)
+            info = mem()
+            steady_peak = info["peak"] if info else None
+            entries.append({
+                "policy": args.policy, "xla": jit, "kind": kind, "n": n,
+                "model": model, "iterator": iterator,
+                "warmup_s": time.perf_counter() - t0,
+                "baseline": baseline,
+                "first_peak": first_peak, "steady_peak": steady_peak,
+                "params": common.trainable_param_bytes(model)[0],
+                "times": [],
+            })
+            print(f"  [{args.policy}] xla={'on' if jit else 'off'} {kind} N={n}: "
+                  f"warm-up {entries[-1]['warmup_s']:.1f} s", file=sys.stderr, flush=True)
+
+    rng = random.Random(args.seed)
+    for _ in range(args.rounds):
+        order = entries[:]
+        rng.shuffle(order)
+        for e in order:
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                run(e["model"], e["iterator"], args.steps)
+                e["times"].append(time.perf_counter() - t0)
+            finally:
+                gc.enable()
+
+    out = []
+    for e in entries:
+        out.append({k: v for k, v in e.items() if k not in ("model", "iterator")})
+    print(RESULT_TAG + json.dumps({"policy": args.policy, "on_gpu": on_gpu,
+                                   "device": common.device_description(),
+                                   "entries": out}), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Parent
+# --------------------------------------------------------------------------
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny U-Net (32x32, B=2, base 8, depth 3), 2 rounds x 8 steps")
+    parser.add_argument("--policies", default="float32,mixed_float16,mixed_bfloat16")
+    parser.add_argument("--xla", default="off,on", help="comma list from: off, on")
+    parser.add_argument("--ns", default="4,8", help="accumulation steps for ours")
+    parser.add_argument("--size", type=int, default=None, help="input side (default 256)")
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch (default 16)")
+    parser.add_argument("--base-filters", type=int, default=None, help="default 32")
+    parser.add_argument("--depth", type=int, default=None, help="default 4")
+    parser.add_argument("--rounds", type=int, default=None, help="default 5")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="micro-batches per timing window, a multiple of every N "
+                             "(default 32)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up micro-batches, a multiple of 2*max(N) (default 16)")
+    parser.add_argument("--intra", type=int, default=None)
+    parser.add_argument("--inter", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    q = args.quick
+    args.size = args.size or (32 if q else 256)
+    args.batch = args.batch or (2 if q else 16)
+    args.base_filters = args.base_filters or (8 if q else 32)
+    args.depth = args.depth or (3 if q else 4)
+    args.rounds = args.rounds or (2 if q else 5)
+    args.steps = args.steps or (8 if q else 32)
+    args.warmup = args.warmup or 16
+    ns = [int(v) for v in args.ns.split(",")]
+    if args.steps % max(ns) or args.warmup % (2 * max(ns)):
+        parser.error("--steps must be a multiple of max(N), --warmup of 2*max(N)")
+
+    if args.child:
+        return run_child(args)
+
+    import common
+
+    intra, inter = common.configure_threads(args.intra, args.inter)
+    env = common.environment(intra, inter)
+    common.print_environment(env)
+    on_gpu = bool(common.gpus())
+    if not on_gpu:
+        print("\nNOTE: no GPU found. Running on CPU: the timings below are CPU "
+              "timings and say nothing about GPU performance; memory is TF's CPU "
+              "tensor memory (BFC allocator). Use --quick on CPU.\n")
+    t_start = time.perf_counter()
+    child_env = dict(os.environ)
+    child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if not on_gpu:
+        child_env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    passthrough = [
+        "--xla", args.xla, "--ns", args.ns, "--size", str(args.size),
+        "--batch", str(args.batch), "--base-filters", str(args.base_filters),
+        "--depth", str(args.depth), "--rounds", str(args.rounds),
+        "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--seed", str(args.seed),
+    ]
+    if args.intra:
+        passthrough += ["--intra", str(args.intra)]
+    if args.inter:
+        passthrough += ["--inter", str(args.inter)]
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    per_policy = {}
+    failures = {}
+    for policy in policies:
+        t0 = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--child",
+               "--policy", policy] + passthrough
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+        elapsed = time.perf_counter() - t0
+        if proc.returncode != 0 or not lines:
+            failures[policy] = (proc.stderr or proc.stdout)[-3000:]
+            print(f"  {policy}: FAILED after {elapsed:.0f} s (exit {proc.returncode})\n"
+                  f"{failures[policy]}", flush=True)
+            continue
+        per_policy[policy] = json.loads(lines[-1][len(RESULT_TAG):])
+        per_policy[policy]["seconds"] = elapsed
+        print(f"  {policy}: {elapsed:.0f} s", flush=True)
+
+    MiB = common.fmt_bytes
+    rows = []
+    for policy, res in per_policy.items():
+        entries = res["entries"]
+        for e in entries:
+            plain = next(p for p in entries if p["kind"] == "plain" and p["xla"] == e["xla"])
+            ms = [1000.0 * t / args.steps for t in e["times"]]
+            ratio = [pt / t for t, pt in zip(e["times"], plain["times"])]
+            e["ms_per_microbatch"] = ms
+            e["throughput_ratio_vs_plain"] = ratio
+
+            def attr(key):
+                if e[key] is None or e["baseline"] is None:
+                    return "n/a"
+                return MiB(e[key] - e["baseline"])
+
+            rows.append([
+                policy, "on" if e["xla"] else "off",
+                common.config_label(e["kind"], e["n"]),
+                common.fmt(common.median(ms), 2),
+                f"{common.fmt(min(ms), 2)}–{common.fmt(max(ms), 2)}",
+                common.fmt(common.median(ratio), 3),
+                attr("steady_peak"), attr("first_peak"),
+                "n/a" if e["steady_peak"] is None else MiB(e["steady_peak"]),
+            ])
+    if rows:
+        what = "GPU" if on_gpu else "CPU tensor (BFC)"
+        first = next(iter(per_policy.values()))["entries"][0]
+        print(f"\n### U-Net {args.size}x{args.size}x3, base {args.base_filters}, "
+              f"depth {args.depth} ({first['params']:,} parameters), B={args.batch}; "
+              f"{env['device']}\n")
+        print(common.markdown_table(
+            ["policy", "XLA", "configuration", "ms / micro-batch (median)", "min–max",
+             "throughput vs plain (median of rounds)",
+             f"steady peak - baseline ({what} MiB)",
+             f"first-steps peak - baseline ({what} MiB)",
+             f"steady peak, total ({what} MiB)"],
+            rows, align=["l", "l", "l", "r", "r", "r", "r", "r", "r"],
+        ))
+        print(f"\n{args.rounds} interleaved rounds x {args.steps} micro-batches per "
+              "configuration; 'throughput vs plain' > 1 means faster than plain.")
+    if not on_gpu:
+        print("\nNOTE: no GPU was found; these are CPU numbers (smoke test only).")
+    total = time.perf_counter() - t_start
+    print(f"\nTotal benchmark time: {total:.0f} s")
+    common.write_json(args.json, {
+        "benchmark": "gpu",
+        "environment": env,
+        "settings": {k: getattr(args, k) for k in (
+            "size", "batch", "base_filters", "depth", "rounds", "steps", "warmup",
+            "xla", "ns", "quick")},
+        "results": per_policy,
+        "failures": failures,
+        "total_seconds": total,
+    })
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

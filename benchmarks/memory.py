@@ -1,0 +1,368 @@
+"""Peak training memory of each configuration, each in its own fresh process.
+
+Configurations (U-Net, micro-batch B, N in {2, 4, 8, 16}):
+  * plain ``keras.Model`` at batch B                 (the reference)
+  * plain ``keras.Model`` at batch N*B               (what accumulation avoids)
+  * ``GradientAccumulationModel`` at (B, N)
+  * built-in ``SGD(gradient_accumulation_steps=N)`` at (B, N)
+
+Every configuration runs in a new child process (this script re-executes
+itself with ``--child``), so allocator state never leaks between them. In the
+child: build + compile the model, create the data, ``gc.collect()``, then take
+the baseline; train with ``model.fit``; then read the peak.
+
+  * RSS (always): the baseline is the resident set size (VmRSS) after the
+    model is built; the kernel's peak-RSS counter (VmHWM) is reset to that
+    value by writing 5 to /proc/self/clear_refs, and read again after
+    training. It contains everything training adds: optimizer slots,
+    accumulators, activations, gradients, data batches in flight, and also
+    the traced graphs / runtime caches (host-side, not tensors).
+  * Tensor memory: ``tf.config.experimental.get_memory_info(device)``;
+    baseline = ``current`` after the build, ``reset_memory_stats``, then
+    ``peak`` after training. On GPU this is the GPU memory measure. On CPU
+    it needs TF's BFC allocator for CPU tensors, so by default the children
+    run with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (``--cpu-allocator default``
+    turns that off and leaves only RSS).
+  "Training-attributable" = peak - baseline.
+
+B-sized configurations train ``--steps`` micro-batches (default 32: two full
+windows at N=16); plain N*B trains 3 steps of N*B samples. All use SGD
+(lr=1e-3, momentum=0.9), identical initial weights and synthetic data.
+
+Goal reported: training-attributable peak of ours at (B, N)
+    <= 1.05 * (plain at B + one float32 copy of the trainable parameters).
+
+Usage:
+    python benchmarks/memory.py
+    python benchmarks/memory.py --quick
+    python benchmarks/memory.py --json benchmarks/results/memory_cpu.json
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+RESULT_TAG = "MEMORY_RESULT "
+
+
+def _read_status():
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024  # kB -> bytes
+    return values
+
+
+def _reset_peak_rss():
+    """Reset VmHWM to the current RSS (Linux >= 4.0). Returns success."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------
+# Child: one configuration
+# --------------------------------------------------------------------------
+def run_child(args):
+    import gc
+
+    import common
+    import tensorflow as tf
+
+    common.configure_threads(args.intra, args.inter)
+    common.enable_memory_growth()
+    on_gpu = bool(common.gpus())
+    spec = unet_spec(args)
+    kind, n = args.kind, args.n
+    # Identical initial weights in every child.
+    weights = common.reference_weights(spec, seed=args.seed)
+    if kind == "plain-large":
+        model = common.build_model(spec, "plain", 1, args.jit, weights)
+        batch, steps = n * args.batch, args.large_steps
+    else:
+        model = common.build_model(spec, kind, n, args.jit, weights)
+        batch, steps = args.batch, args.steps
+    del weights
+    n_params, param_bytes = common.trainable_param_bytes(model)
+    dataset = common.make_data(spec, batch, num_batches=2, seed=args.seed)
+    gc.collect()
+
+    record = {
+        "kind": kind, "n": n, "batch": batch, "steps": steps,
+        "samples_per_update": (
+            batch * (n if kind in ("ours", "builtin") else 1)),
+        "trainable_params": n_params, "param_bytes": param_bytes,
+        "device": "GPU" if on_gpu else "CPU", "jit_compile": args.jit,
+        "metrics": {},
+    }
+    tf_device = "GPU:0" if on_gpu else "CPU:0"
+    try:  # GPU always; CPU only with TF_CPU_ALLOCATOR_USE_BFC=true
+        tensors_baseline = tf.config.experimental.get_memory_info(tf_device)["current"]
+        tf.config.experimental.reset_memory_stats(tf_device)
+    except (ValueError, RuntimeError):
+        tensors_baseline = None
+    before = _read_status()
+    peak_reset = _reset_peak_rss()
+    rss_baseline = _read_status()["VmRSS"]
+
+    t0 = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+    common.sync(model)
+    record["train_seconds"] = time.perf_counter() - t0
+
+    status = _read_status()
+    if tensors_baseline is not None:
+        peak = tf.config.experimental.get_memory_info(tf_device)["peak"]
+        record["metrics"]["gpu" if on_gpu else "tensors"] = {
+            "baseline": tensors_baseline, "peak": peak,
+            "attributable": peak - tensors_baseline,
+        }
+    record["metrics"]["rss"] = {
+        "baseline": rss_baseline, "peak": status["VmHWM"],
+        "attributable": status["VmHWM"] - rss_baseline,
+        "pre_baseline_peak": before["VmHWM"], "peak_reset": peak_reset,
+        "after": status["VmRSS"],
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    print(RESULT_TAG + json.dumps(record), flush=True)
+    return 0
+
+
+def unet_spec(args):
+    return {
+        "arch": "unet",
+        "input_shape": [args.size, args.size, 3],
+        "num_classes": 3,
+        "base_filters": args.base_filters,
+        "depth": args.depth,
+    }
+
+
+# --------------------------------------------------------------------------
+# Parent: orchestrate the children, print tables
+# --------------------------------------------------------------------------
+def child_command(args, kind, n):
+    cmd = [
+        sys.executable, os.path.abspath(__file__), "--child",
+        "--kind", kind, "--n", str(n),
+        "--batch", str(args.batch), "--size", str(args.size),
+        "--base-filters", str(args.base_filters), "--depth", str(args.depth),
+        "--steps", str(args.steps), "--large-steps", str(args.large_steps),
+        "--seed", str(args.seed),
+    ]
+    if args.intra:
+        cmd += ["--intra", str(args.intra)]
+    if args.inter:
+        cmd += ["--inter", str(args.inter)]
+    if args.jit:
+        cmd.append("--jit")
+    return cmd
+
+
+def child_env(args):
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.cpu_allocator == "bfc":
+        # Lets get_memory_info('CPU:0') report tensor memory, as on GPU.
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    else:
+        env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+    return env
+
+
+def run_config(args, kind, n):
+    records = []
+    for _ in range(args.repeats):
+        proc = subprocess.run(
+            child_command(args, kind, n), capture_output=True, text=True,
+            env=child_env(args),
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr or proc.stdout)[-3000:]
+            print(f"  child {kind} N={n} FAILED (exit {proc.returncode}):\n{tail}",
+                  flush=True)
+            return {"kind": kind, "n": n, "error": tail}
+        records.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    chosen = dict(records[0])
+    # Median over repeats, per metric (by training-attributable bytes).
+    chosen["metrics"] = {}
+    for metric in records[0]["metrics"]:
+        runs = sorted((r["metrics"][metric] for r in records),
+                      key=lambda m: m["attributable"])
+        chosen["metrics"][metric] = dict(runs[len(runs) // 2])
+        chosen["metrics"][metric]["repeats_attributable"] = [
+            m["attributable"] for m in runs]
+    return chosen
+
+
+METRIC_TITLES = {
+    "gpu": "GPU memory in use (tf.config.experimental.get_memory_info('GPU:0'))",
+    "tensors": "TF tensor memory (CPU BFC allocator, "
+               "tf.config.experimental.get_memory_info('CPU:0'))",
+    "rss": "process resident set size (VmHWM / VmRSS)",
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fast sanity run: 32x32 U-Net, N in {2, 4}")
+    parser.add_argument("--ns", default=None, help="comma list of N (default 2,4,8,16)")
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch B")
+    parser.add_argument("--size", type=int, default=None,
+                        help="U-Net input side (default 64, quick 32)")
+    parser.add_argument("--base-filters", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="micro-batches for B-sized configs, a multiple of "
+                             "every N (default 32, quick 8)")
+    parser.add_argument("--large-steps", type=int, default=3,
+                        help="steps for plain N*B")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="children per configuration; the median is reported")
+    parser.add_argument("--cpu-allocator", choices=("bfc", "default"), default="bfc",
+                        help="CPU only: 'bfc' (default) sets TF_CPU_ALLOCATOR_USE_BFC "
+                             "so tensor memory can be read as on GPU, besides RSS; "
+                             "'default' keeps TF's default CPU allocator (RSS only)")
+    parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
+    parser.add_argument("--intra", type=int, default=None)
+    parser.add_argument("--inter", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write raw results here")
+    # child-only
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    args.size = args.size or (32 if args.quick else 64)
+    args.steps = args.steps or (8 if args.quick else 32)
+    ns = [int(v) for v in (args.ns or ("2,4" if args.quick else "2,4,8,16")).split(",")]
+
+    if args.child:
+        return run_child(args)
+
+    import common
+
+    if args.steps % max(ns):
+        parser.error("--steps must be a multiple of every N (complete windows)")
+    intra, inter = common.configure_threads(args.intra, args.inter)
+    env = common.environment(intra, inter)
+    common.print_environment(env)
+    have_ours = common.GradientAccumulationModel is not None
+    t_start = time.perf_counter()
+
+    plan = [("plain", 1)]
+    for n in ns:
+        plan.append(("plain-large", n))
+        if have_ours:
+            plan.append(("ours", n))
+        plan.append(("builtin", n))
+    print(f"\nRunning {len(plan) * args.repeats} child processes "
+          f"(U-Net {args.size}x{args.size}, base {args.base_filters}, "
+          f"depth {args.depth}, B={args.batch}) ...", flush=True)
+    results = {}
+    for kind, n in plan:
+        t0 = time.perf_counter()
+        results[(kind, n)] = run_config(args, kind, n)
+        print(f"  {kind:12s} N={n:<3d} {time.perf_counter() - t0:5.0f} s", flush=True)
+
+    ref = results[("plain", 1)]
+    if "error" in ref:
+        print("The plain reference failed; no table.")
+        return 1
+    param_bytes = ref["param_bytes"]
+    MiB = common.fmt_bytes
+    names = {
+        "plain": f"plain keras.Model, batch {args.batch}",
+        "plain-large": None,
+        "ours": f"GradientAccumulationModel, B={args.batch}",
+        "builtin": f"built-in SGD(gradient_accumulation_steps), B={args.batch}",
+    }
+    metrics = list(ref["metrics"])  # gpu | tensors, then rss
+    limits = {}
+    goal_rows = {}
+    for metric in metrics:
+        ref_m = ref["metrics"][metric]
+        limit = 1.05 * (ref_m["attributable"] + param_bytes)
+        limits[metric] = limit
+        rows = []
+        for kind, n in plan:
+            rec = results[(kind, n)]
+            name = names[kind] or f"plain keras.Model, batch {n * args.batch}"
+            if "error" in rec:
+                rows.append([name, n, "FAILED", "", "", "", "", ""])
+                continue
+            m = rec["metrics"][metric]
+            check = ""
+            if kind in ("ours", "builtin"):
+                ok = m["attributable"] <= limit
+                check = f"{'met' if ok else 'MISSED'} ({MiB(m['attributable'])} vs {MiB(limit)})"
+                if kind == "ours":
+                    goal_rows.setdefault(n, {})[metric] = (m["attributable"], ok)
+            rows.append([
+                name, "-" if kind == "plain" else n, rec["samples_per_update"],
+                MiB(m["peak"]), MiB(m["baseline"]), MiB(m["attributable"]),
+                common.fmt(m["attributable"] / ref_m["attributable"], 2), check,
+            ])
+        print(f"\n### Peak training memory, {METRIC_TITLES[metric]}, MiB\n")
+        print(f"U-Net {args.size}x{args.size}x3, base {args.base_filters} filters, "
+              f"depth {args.depth}, {'XLA' if args.jit else 'graph mode'}, "
+              f"{ref['trainable_params']:,} trainable parameters (one float32 copy = "
+              f"{MiB(param_bytes)} MiB). Goal limit = 1.05 x (plain B "
+              f"{MiB(ref_m['attributable'])} + {MiB(param_bytes)}) = {MiB(limit)} MiB.\n")
+        print(common.markdown_table(
+            ["configuration", "N", "samples / update", "total peak",
+             "baseline (after build)", "training-attributable (peak - baseline)",
+             "attributable vs plain B", "goal: <= 1.05 x (plain B + params)"],
+            rows, align=["l", "r", "r", "r", "r", "r", "r", "l"],
+        ))
+        if metric == "rss" and not ref_m.get("peak_reset", True):
+            print("\nNote: /proc/self/clear_refs was not writable, so the RSS peak "
+                  "may include memory used before training (import, build).")
+    if goal_rows:
+        print("\n### Goal: ours(B, N) training-attributable <= 1.05 x "
+              "(plain(B) + one float32 copy of the parameters)\n")
+        headers = ["N"]
+        for metric in metrics:
+            headers += [f"ours, {metric} (MiB)", f"limit, {metric} (MiB)", "result"]
+        rows = []
+        for n in ns:
+            row = [n]
+            for metric in metrics:
+                value, ok = goal_rows[n][metric]
+                row += [MiB(value), MiB(limits[metric]), "met" if ok else "MISSED"]
+            rows.append(row)
+        print(common.markdown_table(headers, rows))
+    total = time.perf_counter() - t_start
+    print(f"\nTotal benchmark time: {total:.0f} s")
+    common.write_json(args.json, {
+        "benchmark": "memory",
+        "environment": env,
+        "settings": {
+            "size": args.size, "base_filters": args.base_filters, "depth": args.depth,
+            "batch": args.batch, "ns": ns, "steps": args.steps,
+            "large_steps": args.large_steps, "repeats": args.repeats,
+            "jit_compile": args.jit, "quick": args.quick,
+            "cpu_allocator": args.cpu_allocator, "metrics": metrics,
+        },
+        "param_bytes": param_bytes,
+        "limit_bytes": limits,
+        "results": [dict(v, kind=k[0], n=k[1]) for k, v in results.items()],
+        "total_seconds": total,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
