@@ -198,7 +198,25 @@ def unet_graph(input_shape=(64, 64, 3), num_classes=3, base_filters=16, depth=3)
     return inputs, outputs
 
 
+def mlp_graph(input_shape=(1024,), num_classes=10, width=1024, depth=4):
+    """Parameter-heavy dense network (~3.2M parameters at the defaults).
+
+    Little compute per parameter: the per-step cost of the optimizer update
+    and of the accumulation is a large share of the step, so this network
+    shows their overhead, which the convolutional ones hide.
+    """
+    L = keras.layers
+    inputs = keras.Input(shape=input_shape, name="features")
+    x = inputs
+    for _ in range(depth):
+        x = L.Dense(width, activation="relu")(x)
+    outputs = L.Dense(num_classes, name="logits")(x)
+    return inputs, outputs
+
+
 def network_graph(spec):
+    if spec["arch"] == "mlp":
+        return mlp_graph(tuple(spec["input_shape"]), spec["num_classes"])
     if spec["arch"] == "convnet":
         return conv_net_graph(tuple(spec["input_shape"]), spec["num_classes"])
     if spec["arch"] == "unet":
@@ -236,15 +254,19 @@ def config_label(kind, n):
         return f"GradientAccumulationModel N={n}"
     if kind == "builtin":
         return f"built-in SGD(gradient_accumulation_steps={n})"
+    if kind == "ours-nobn":
+        return f"GradientAccumulationModel N={n}, window_batch_norm=False"
     raise ValueError(kind)
 
 
 def build_model(spec, kind, n=1, jit_compile=False, weights=None):
     """Build and compile one configuration.
 
-    kind: "plain"   -> keras.Model, plain SGD
-          "ours"    -> GradientAccumulationModel(..., gradient_accumulation_steps=n)
-          "builtin" -> keras.Model, SGD(..., gradient_accumulation_steps=n)
+    kind: "plain"     -> keras.Model, plain SGD
+          "ours"      -> GradientAccumulationModel(..., gradient_accumulation_steps=n)
+          "ours-nobn" -> the same with window_batch_norm=False (BatchNormalization
+                         moving statistics updated per micro-batch, as Keras does)
+          "builtin"   -> keras.Model, SGD(..., gradient_accumulation_steps=n)
     All use SGD(lr=1e-3, momentum=0.9) and sparse categorical cross-entropy
     from logits, no metrics.
     """
@@ -252,11 +274,12 @@ def build_model(spec, kind, n=1, jit_compile=False, weights=None):
     opt_kwargs = {}
     if kind == "plain":
         model = keras.Model(inputs, outputs)
-    elif kind == "ours":
+    elif kind in ("ours", "ours-nobn"):
         if GradientAccumulationModel is None:
             raise RuntimeError(f"keras_accum not importable: {ACCUM_IMPORT_ERROR}")
+        extra = {"window_batch_norm": False} if kind == "ours-nobn" else {}
         model = GradientAccumulationModel(
-            inputs, outputs, gradient_accumulation_steps=n
+            inputs, outputs, gradient_accumulation_steps=n, **extra
         )
     elif kind == "builtin":
         model = keras.Model(inputs, outputs)

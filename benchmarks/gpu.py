@@ -15,6 +15,8 @@ Inside it, for every (XLA, configuration):
   * ``reset_memory_stats`` again and run ``--steps`` more micro-batches:
     "steady peak" = peak - baseline (persistent optimizer slots and
     accumulators included, one-time autotuning / compilation scratch not);
+    "retained" = memory in use after training - baseline (the persistent
+    training state: optimizer slots, accumulators);
 then all configurations of that policy are timed in ``--rounds``
 interleaved rounds of ``--steps`` micro-batches (``model.train_function``
 on a persistent iterator over an in-memory repeated dataset; the clock stops
@@ -116,12 +118,14 @@ def run_child(args):
             run(model, iterator, args.steps)
             info = mem()
             steady_peak = info["peak"] if info else None
+            retained = info["current"] if info else None
             entries.append({
                 "policy": args.policy, "xla": jit, "kind": kind, "n": n,
                 "model": model, "iterator": iterator,
                 "warmup_s": time.perf_counter() - t0,
                 "baseline": baseline,
                 "first_peak": first_peak, "steady_peak": steady_peak,
+                "retained": retained,
                 "params": common.trainable_param_bytes(model)[0],
                 "times": [],
             })
@@ -262,8 +266,7 @@ def main(argv=None):
                 common.fmt(common.median(ms), 2),
                 f"{common.fmt(min(ms), 2)}–{common.fmt(max(ms), 2)}",
                 common.fmt(common.median(ratio), 3),
-                attr("steady_peak"), attr("first_peak"),
-                "n/a" if e["steady_peak"] is None else MiB(e["steady_peak"]),
+                attr("steady_peak"), attr("first_peak"), attr("retained"),
             ])
     if rows:
         what = "GPU" if on_gpu else "CPU tensor (BFC)"
@@ -276,7 +279,7 @@ def main(argv=None):
              "throughput vs plain (median of rounds)",
              f"steady peak - baseline ({what} MiB)",
              f"first-steps peak - baseline ({what} MiB)",
-             f"steady peak, total ({what} MiB)"],
+             f"retained after training - baseline ({what} MiB)"],
             rows, align=["l", "l", "l", "r", "r", "r", "r", "r", "r"],
         ))
         print(f"\n{args.rounds} interleaved rounds x {args.steps} micro-batches per "

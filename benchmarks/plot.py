@@ -22,7 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"plain-aa": "#999999", "ours": "#1f77b4", "builtin": "#ff7f0e",
+COLORS = {"plain-aa": "#999999", "ours": "#1f77b4", "ours-nobn": "#9ecae1",
+          "builtin": "#ff7f0e",
           "plain-large": "#d62728", "plain": "#2ca02c"}
 MEMORY_TITLES = {"gpu": "GPU memory (get_memory_info)",
                  "tensors": "TF tensor memory (CPU, BFC)",
@@ -37,6 +38,8 @@ def short_label(entry):
         return f"ours N={n}"
     if kind == "builtin":
         return f"built-in N={n}"
+    if kind == "ours-nobn":
+        return f"ours N={n}, no window BN"
     return kind
 
 

@@ -77,12 +77,14 @@ def profile(runner, steps, logdir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--network", choices=("convnet", "unet"), default="unet")
+    parser.add_argument("--network", choices=("mlp", "convnet", "unet"), default="unet")
     parser.add_argument("--unet-size", type=int, default=64)
     parser.add_argument("--n", type=int, default=4, help="accumulation steps")
     parser.add_argument("--steps", type=int, default=32,
                         help="profiled micro-batches, a multiple of N (default 32)")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True")
+    parser.add_argument("--window-bn-off", action="store_true",
+                        help="add GradientAccumulationModel(window_batch_norm=False)")
     parser.add_argument("--top", type=int, default=20, help="op types to list")
     parser.add_argument("--intra", type=int, default=None)
     parser.add_argument("--inter", type=int, default=None)
@@ -102,6 +104,8 @@ def main(argv=None):
     configs = [("plain", 1)]
     if common.have_accum():
         configs.append(("ours", args.n))
+        if args.window_bn_off:
+            configs.append(("ours-nobn", args.n))
     if args.n >= 2:
         configs.append(("builtin", args.n))
 

@@ -46,6 +46,13 @@ BUILTIN_N = (4, 8, 16)
 
 def network_specs(args):
     return {
+        "mlp": {
+            "arch": "mlp",
+            "input_shape": [1024],
+            "num_classes": 10,
+            "batch_size": 8,
+            "title": "dense network (4 x 1024 units), 1024 features, B=8",
+        },
         "convnet": {
             "arch": "convnet",
             "input_shape": [32, 32, 3],
@@ -65,10 +72,11 @@ def network_specs(args):
     }
 
 
-def configurations(have_ours, ours_n=OURS_N, builtin_n=BUILTIN_N):
+def configurations(have_ours, ours_n=OURS_N, builtin_n=BUILTIN_N, nobn_n=()):
     configs = [("plain", 1), ("plain-aa", 1)]
     if have_ours:
         configs += [("ours", n) for n in ours_n]
+        configs += [("ours-nobn", n) for n in nobn_n]
     configs += [("builtin", n) for n in builtin_n]
     return configs
 
@@ -146,14 +154,18 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None,
                         help="micro-batches per config per round, multiple of 16 "
                              "(default 16)")
-    parser.add_argument("--networks", default="convnet,unet",
-                        help="comma list from: convnet, unet")
+    parser.add_argument("--networks", default="mlp,convnet,unet",
+                        help="comma list from: mlp, convnet, unet")
     parser.add_argument("--modes", default="graph,xla",
                         help="comma list from: graph, xla")
     parser.add_argument("--ours-n", default="1,4,8,16",
                         help="N values for GradientAccumulationModel (default 1,4,8,16)")
     parser.add_argument("--builtin-n", default="4,8,16",
                         help="N values for the built-in optimizer option (default 4,8,16)")
+    parser.add_argument("--window-bn-off-n", default="",
+                        help="also time GradientAccumulationModel(window_batch_norm="
+                             "False) at these N (e.g. 4,16); shows the cost of the "
+                             "per-window BatchNormalization statistics")
     parser.add_argument("--unet-size", type=int, default=None,
                         help="U-Net input side (default 64, quick 32)")
     parser.add_argument("--via", choices=("function", "fit"), default="function",
@@ -181,7 +193,8 @@ def main(argv=None):
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ours_n = tuple(int(v) for v in args.ours_n.split(",") if v.strip())
     builtin_n = tuple(int(v) for v in args.builtin_n.split(",") if v.strip())
-    configs = configurations(have_ours, ours_n, builtin_n)
+    nobn_n = tuple(int(v) for v in args.window_bn_off_n.split(",") if v.strip())
+    configs = configurations(have_ours, ours_n, builtin_n, nobn_n)
     t_start = time.perf_counter()
 
     # ---- build everything first, identical weights per network ----------
@@ -250,7 +263,7 @@ def main(argv=None):
                 key = (net, mode, kind, n)
                 rates = [args.steps / t for t in wall[key]]
                 bkey = (net, mode, "builtin", n)
-                has_bi = kind == "ours" and bkey in wall
+                has_bi = kind in ("ours", "ours-nobn") and bkey in wall
                 entry = {
                     "network": net, "mode": mode, "kind": kind, "n": n,
                     "label": label(kind, n), "batch_size": spec["batch_size"],
@@ -335,7 +348,7 @@ def main(argv=None):
         "settings": {
             "rounds": args.rounds, "steps": args.steps, "via": args.via,
             "warmup_steps": 2 * WARMUP_STEPS, "quick": args.quick,
-            "ours_n": ours_n, "builtin_n": builtin_n,
+            "ours_n": ours_n, "builtin_n": builtin_n, "window_bn_off_n": nobn_n,
             "networks": {k: specs[k] for k in networks}, "modes": modes,
         },
         "trainable_params": n_params,

@@ -321,6 +321,12 @@ class GradientAccumulationModel(keras.Model):
             or self.gradient_accumulation_steps == 1
         ):
             return False
+        if int(self.gradient_accumulator.micro_step.numpy()) == 0:
+            # Nothing pending (e.g. the epoch ended on a window boundary):
+            # no flush function to trace or run. `micro_step` aggregates as
+            # `ONLY_FIRST_REPLICA`, so this read is local to the worker even
+            # under `tf.distribute`, and all workers see the same count.
+            return False
         if self._flush_function is None:
 
             def flush_step():
@@ -339,8 +345,6 @@ class GradientAccumulationModel(keras.Model):
             self._flush_function = (
                 flush if self.run_eagerly else tf.function(flush)
             )
-        # No host read of the (replica-local) counters: under multi-worker
-        # training that would be a collective of its own.
         return bool(self._flush_function())
 
     # ------------------------------------------------------------------
