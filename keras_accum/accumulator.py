@@ -573,8 +573,9 @@ def _keep_xla_conditional(value):
     `jit_compile=True`. A sort of two equal scalars inside the update branch
     keeps the conditional, so those ops run once per window. On a GPU, XLA
     reads a conditional's predicate back to the host before it can go on,
-    a synchronisation per micro-batch that costs more than the elementwise
-    update it would skip, so there the select is kept. Outside XLA this is
+    a synchronisation per micro-batch that is expected (not yet measured) to
+    cost more than the elementwise update it would skip, so there the select
+    is kept. Outside XLA this is
     one tiny op per window; the value is exact.
     """
     if tf.config.list_logical_devices("GPU"):
