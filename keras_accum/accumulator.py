@@ -1,5 +1,6 @@
 """`GradientAccumulator`: the accumulation primitive (TensorFlow backend)."""
 
+import functools
 import numbers
 
 import tensorflow as tf
@@ -86,8 +87,10 @@ class GradientAccumulator(tf.Module):
     `accumulated` (micro-batches whose gradients were added),
     `update_applied` (whether the last step applied an update),
     `skipped_windows` and `dropped_micro_batches` (the non-finite policy's
-    counts). With `gradient_accumulation_steps=1` no buffers are allocated
-    and gradients pass straight to the optimizer.
+    counts), and the buffers: the window's weighted gradient sums, stale
+    while `accumulated` is 0 (the window's first added micro-batch
+    overwrites them). With `gradient_accumulation_steps=1` no buffers are
+    allocated and gradients pass straight to the optimizer.
 
     Loss scaling: with a `keras.optimizers.LossScaleOptimizer`, each
     micro-batch's gradients are unscaled by the scale in force when its loss
@@ -287,6 +290,7 @@ class GradientAccumulator(tf.Module):
             applied = self._finish_window(
                 optimizer, variables, lambda: gradients, finite, policy
             )
+            self.update_applied.assign(applied)
         else:
             self._accumulate(
                 gradients, weight, gradient_scale, optimizer, policy
@@ -312,9 +316,14 @@ class GradientAccumulator(tf.Module):
         )
 
     def reset(self):
-        """Discards the pending window (buffers, weight sum, counters)."""
-        for buffer in self._buffers:
-            buffer.assign(tf.zeros_like(buffer))
+        """Discards the pending window (weight sum, counters, buffers).
+
+        The buffers are not written here: while `accumulated` is 0 their
+        content is stale, and the next window's first accumulated
+        micro-batch overwrites them instead of adding to them. That saves
+        a pass over every buffer per window and keeps the buffers out of
+        the window-end branch (see `_run_if`).
+        """
         if self._weight_sum is not None:
             self._weight_sum.assign(tf.zeros_like(self._weight_sum))
         self.micro_step.assign(0)
@@ -367,6 +376,20 @@ class GradientAccumulator(tf.Module):
             weight_increment = weight
 
         def add():
+            # The window's first added micro-batch replaces the stale
+            # buffers (see `reset`). Under XLA a select that fuses with the
+            # addition does it for free; otherwise (and for sparse updates)
+            # the buffers are zeroed first.
+            first = tf.equal(self.accumulated.read_value(), 0)
+            fused = _in_xla_context()
+            to_zero = [
+                buffer
+                for buffer, g in zip(self._buffers, gradients)
+                if g is not None
+                and (not fused or isinstance(g, tf.IndexedSlices))
+            ]
+            if to_zero:
+                _run_if(first, functools.partial(_zero, to_zero))
             for buffer, g in zip(self._buffers, gradients):
                 if g is None:
                     continue
@@ -378,6 +401,11 @@ class GradientAccumulator(tf.Module):
                             g.indices,
                             g.dense_shape,
                         )
+                    )
+                elif fused:
+                    contribution = tf.cast(g, buffer.dtype) * c
+                    buffer.assign(
+                        tf.where(first, contribution, buffer + contribution)
                     )
                 else:
                     buffer.assign_add(tf.cast(g, buffer.dtype) * c)
@@ -407,13 +435,22 @@ class GradientAccumulator(tf.Module):
 
     def _divisor(self, weight_sum):
         """The window's normaliser; 1 for a window of sums (or of nothing)."""
-        divisor = tf.where(weight_sum > 0, weight_sum, tf.ones_like(weight_sum))
-        return _keep_xla_conditional(divisor)
+        return tf.where(weight_sum > 0, weight_sum, tf.ones_like(weight_sum))
 
-    def _window_grads(self):
-        divisor = self._divisor(self._weight_sum)
+    def _window_grads(self, weight_sum=None):
+        """This replica's buffers divided by the window's normaliser.
+
+        A replica that added nothing this window (its micro-batches were
+        all dropped) contributes zeros, not its stale buffers.
+        """
+        if weight_sum is None:
+            weight_sum = self._weight_sum
+        divisor = self._divisor(weight_sum)
+        added = self.accumulated > 0
         return [
-            None if is_none else b / tf.cast(divisor, b.dtype)
+            None
+            if is_none
+            else tf.where(added, b, tf.zeros_like(b)) / tf.cast(divisor, b.dtype)
             for b, is_none in zip(self._buffers, self._grad_is_none)
         ]
 
@@ -445,11 +482,9 @@ class GradientAccumulator(tf.Module):
             self.reset()
             return applied
 
-        def wait():
-            self.update_applied.assign(False)
-            return tf.constant(False)
-
-        return tf.cond(ready, finish, wait)
+        applied = _run_if(ready, finish)
+        self.update_applied.assign(applied)
+        return applied
 
     def _finish_window(self, optimizer, variables, grads_fn, ok, policy):
         """Applies `grads_fn()` if `ok`, else skips; handles loss scaling."""
@@ -472,7 +507,6 @@ class GradientAccumulator(tf.Module):
             applied = apply()
         else:
             applied = tf.cond(ok, apply, skip)
-        self.update_applied.assign(applied)
         return applied
 
     def _maybe_finish_distributed(self, optimizer, variables, policy, ready):
@@ -490,14 +524,9 @@ class GradientAccumulator(tf.Module):
         target = optimizer.inner_optimizer if lso else optimizer
 
         def replica_apply(weight_sum):
-            divisor = self._divisor(weight_sum)
             # Each replica holds its own weighted sum; the optimizer's SUM
             # all-reduce turns them into the global one.
-            grads = [
-                None if is_none else b / tf.cast(divisor, b.dtype)
-                for b, is_none in zip(self._buffers, self._grad_is_none)
-            ]
-            target.apply(grads, variables)
+            target.apply(self._window_grads(weight_sum), variables)
 
         def cross_replica(distribution, ready, counts):
             ready = distribution.experimental_local_results(ready)[0]
@@ -562,25 +591,60 @@ class GradientAccumulator(tf.Module):
         return applied
 
 
-def _keep_xla_conditional(value):
-    """Returns `value` unchanged, through an op XLA does not count as cheap.
+def _run_if(pred, fn):
+    """Returns `fn()` (a boolean tensor) if `pred`, else `False`.
 
-    XLA replaces a conditional whose branches hold only elementwise ops by a
-    select that evaluates both branches. For the window's end that means the
-    whole optimizer update (and the reset of the buffers) is computed on
-    every micro-batch and then discarded on all but the last: on the CPU a
-    parameter-heavy model trained at 0.55x the speed of `keras.Model` with
-    `jit_compile=True`. A sort of two equal scalars inside the update branch
-    keeps the conditional, so those ops run once per window. On a GPU, XLA
-    reads a conditional's predicate back to the host before it can go on,
-    a synchronisation per micro-batch that is expected (not yet measured) to
-    cost more than the elementwise update it would skip, so there the select
-    is kept. Outside XLA this is
-    one tiny op per window; the value is exact.
+    A `tf.cond`, except when XLA compiles for the CPU: there it is a loop
+    that runs zero times or once. XLA gives a conditional a fresh output
+    buffer for every variable one of its branches writes, so the branch that
+    does nothing copies each variable, optimizer slot and accumulation
+    buffer, on every micro-batch (and a conditional whose branches hold only
+    elementwise ops is turned into a select that runs the update every
+    time). A loop's state is updated in place: the micro-batches between
+    updates copy nothing. On a GPU the `tf.cond` is kept: XLA reads a
+    conditional's predicate, and a loop's condition, back to the host, a
+    synchronisation per micro-batch that is expected (not yet measured) to
+    cost more than the elementwise select it avoids.
     """
-    if tf.config.list_logical_devices("GPU"):
-        return value
-    return tf.sort(tf.stack([value, value]))[0]
+    if _xla_on_cpu():
+
+        def body(count, _):
+            return count + 1, fn()
+
+        _, result = tf.while_loop(
+            lambda count, _: count < tf.cast(pred, tf.int32),
+            body,
+            (tf.constant(0), tf.constant(False)),
+        )
+        return result
+    return tf.cond(pred, fn, lambda: tf.constant(False))
+
+
+def _xla_on_cpu():
+    """Whether the function being traced is compiled by XLA, with no GPU."""
+    return _in_xla_context() and not tf.config.list_logical_devices("GPU")
+
+
+def _in_xla_context():
+    """Whether the function being traced is compiled by XLA."""
+    if tf.executing_eagerly():
+        return False
+    # `tf.function(jit_compile=True)` marks the graphs it traces with an XLA
+    # control-flow context; TensorFlow's own control flow reads it the same
+    # way. If that (internal) module ever moves, the plain graph forms are
+    # used, which are exact too.
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - depends on the TF version
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def _zero(variables):
+    for variable in variables:
+        variable.assign(tf.zeros_like(variable))
+    return tf.constant(True)
 
 
 def _scale(g, factor):

@@ -122,3 +122,8 @@ def test_flush_applies_partial_window_and_reset_discards(float64):
     accumulator.reset()
     assert not bool(accumulator.flush(optimizer, [variable]))
     assert int(optimizer.iterations) == 1
+    # The discarded gradient must not reach the next window.
+    before = variable.numpy().copy()
+    accumulator.accumulate_and_maybe_apply([g2], optimizer, [variable], weight=2)
+    assert bool(accumulator.flush(optimizer, [variable]))
+    np.testing.assert_allclose(variable.numpy(), before - g2.numpy(), rtol=1e-15)

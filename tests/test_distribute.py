@@ -7,6 +7,10 @@ reference, plain `keras.Model` on one device with one big batch per window of
 the same samples, and prints the relative update difference (float64) and
 the cross-device reductions executed inside each train step.
 
+The `dropped` case (`non_finite_policy="drop_micro_batch"`) drops every
+micro-batch of one window on one replica only: the update must be the big
+batch of what the other replica holds.
+
 The `batchnorm` case checks the per-window BatchNormalization moving
 statistics: those of the global window (all replicas, all micro-batches),
 updated once per applied window, with two more reductions per update (for
@@ -35,7 +39,7 @@ PER_UPDATE = 2
 # With windowed BatchNormalization layers, per update: the counts and sums,
 # then the sums of squared deviations from the global mean.
 BN_PER_UPDATE = 2
-CASES = ["default", "masked", "overflow", "batchnorm"]
+CASES = ["default", "masked", "overflow", "batchnorm", "dropped"]
 
 
 def _env(extra=None):
@@ -59,6 +63,8 @@ def _check(result, case):
     assert result["iterations"] == result["reference_iterations"]
     if case == "overflow":
         assert result["skipped_windows"] == 2  # window 0 of each epoch
+    if case == "dropped":
+        assert result["skipped_windows"] == 0
     if case == "batchnorm":
         # Three layers' moving mean and variance, all compared.
         assert result["moving_statistics"] == 6

@@ -157,8 +157,9 @@ def test_overflow_skips_the_whole_window(bad, mode, compile_kwargs):
 
 @pytest.mark.parametrize("bad", range(N))
 def test_drop_micro_batch_policy(bad, mode, compile_kwargs):
-    x, y = _data(N * B)
-    x[bad * B : (bad + 1) * B] *= 1e6
+    """Micro-batch `bad` of window 2 overflows, after a clean window 1."""
+    x, y = _data(2 * N * B)
+    x[(N + bad) * B : (N + bad + 1) * B] *= 1e6
     reference, ours = _models(
         "mixed_float16", non_finite_policy="drop_micro_batch"
     )
@@ -167,11 +168,12 @@ def test_drop_micro_batch_policy(bad, mode, compile_kwargs):
                  **compile_kwargs)
     ours.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     keep = np.ones(len(x), bool)
-    keep[bad * B : (bad + 1) * B] = False
+    keep[(N + bad) * B : (N + bad + 1) * B] = False
     reference.compile(optimizer=_sgd(), loss=_loss())
-    reference.fit(x[keep], y[keep], batch_size=len(x), shuffle=False,
-                  verbose=0)
-    assert int(ours.optimizer.iterations) == 1
+    # Window 1 whole, then what remains of window 2.
+    reference.train_on_batch(x[: N * B], y[: N * B])
+    reference.train_on_batch(x[N * B :][keep[N * B :]], y[N * B :][keep[N * B :]])
+    assert int(ours.optimizer.iterations) == 2
     assert int(ours.gradient_accumulator.dropped_micro_batches) == 1
     assert float(ours.optimizer.dynamic_scale) == 2.0**14
     assert_close_to_reference(

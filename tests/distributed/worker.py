@@ -22,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 GLOBAL_MICRO_BATCH = 4  # samples per micro-batch over all replicas
 STEPS = 3  # micro-batches per update
 SAMPLES = 30  # 8 micro-batches per epoch: windows of 3, 3 and a short 2
+DROPPED = (0, 4, 8)  # "dropped" case: one non-finite sample per micro-batch
 
 
 class ReductionCounter:
@@ -150,6 +151,10 @@ def make_data(case):
         y = rng.integers(0, 3, size=(SAMPLES,))
     if overflow:
         x[5] = np.nan  # micro-batch 1 (of window 0), on one replica only
+    if case == "dropped":
+        # Every micro-batch of window 0 on the first replica only (it holds
+        # samples 0-1, 4-5 and 8-9): that replica adds nothing to the window.
+        x[list(DROPPED)] = np.nan
     return x, y
 
 
@@ -158,7 +163,7 @@ def main():
     parser.add_argument("--strategy", choices=["mirrored", "multiworker"])
     parser.add_argument(
         "--case",
-        choices=["default", "masked", "overflow", "batchnorm"],
+        choices=["default", "masked", "overflow", "batchnorm", "dropped"],
         default="default",
     )
     parser.add_argument("--epochs", type=int, default=2)
@@ -203,7 +208,9 @@ def main():
         ours = build_model(
             keras_accum.GradientAccumulationModel, keras, args.case,
             gradient_accumulation_steps=STEPS,
-            non_finite_policy="skip_window",
+            non_finite_policy=(
+                "drop_micro_batch" if args.case == "dropped" else "skip_window"
+            ),
         )
         ours.set_weights(initial)
         ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
@@ -262,6 +269,14 @@ def main():
             xb, yb = x[start : start + window], y[start : start + window]
             if args.case == "overflow" and start == 0:
                 continue  # the window with a non-finite micro-batch is skipped
+            if args.case == "dropped" and start == 0:
+                # What the second replica holds; the first one's micro-batches
+                # (each with a non-finite sample) are dropped whole.
+                held = [
+                    i for i in range(window)
+                    if i % GLOBAL_MICRO_BATCH >= GLOBAL_MICRO_BATCH // 2
+                ]
+                xb, yb = x[held], y[held]
             reference.train_on_batch(xb, yb)
 
     def difference(weights):
