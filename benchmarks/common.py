@@ -199,7 +199,7 @@ def unet_graph(input_shape=(64, 64, 3), num_classes=3, base_filters=16, depth=3)
 
 
 def mlp_graph(input_shape=(1024,), num_classes=10, width=1024, depth=4):
-    """Parameter-heavy dense network (~3.2M parameters at the defaults).
+    """Parameter-heavy dense network (~4.2M parameters at the defaults).
 
     Little compute per parameter: the per-step cost of the optimizer update
     and of the accumulation is a large share of the step, so this network
