@@ -438,20 +438,25 @@ class GradientAccumulator(tf.Module):
         return tf.where(weight_sum > 0, weight_sum, tf.ones_like(weight_sum))
 
     def _window_grads(self, weight_sum=None):
-        """This replica's buffers divided by the window's normaliser.
+        """The buffers divided by the window's normaliser.
 
-        A replica that added nothing this window (its micro-batches were
-        all dropped) contributes zeros, not its stale buffers.
+        Args:
+            weight_sum: the normaliser of a window over several replicas;
+                then a replica that added nothing this window (all its
+                micro-batches were dropped) contributes zeros, not its
+                stale buffers. By default this replica's own weight sum (a
+                window that is applied has added something).
         """
         if weight_sum is None:
+            grads = self._buffers
             weight_sum = self._weight_sum
+        else:
+            added = self.accumulated > 0
+            grads = [tf.where(added, b, tf.zeros_like(b)) for b in self._buffers]
         divisor = self._divisor(weight_sum)
-        added = self.accumulated > 0
         return [
-            None
-            if is_none
-            else tf.where(added, b, tf.zeros_like(b)) / tf.cast(divisor, b.dtype)
-            for b, is_none in zip(self._buffers, self._grad_is_none)
+            None if is_none else g / tf.cast(divisor, g.dtype)
+            for g, is_none in zip(grads, self._grad_is_none)
         ]
 
     def _window_ok(self, policy):

@@ -79,31 +79,72 @@ def _local_variable(initial_value, name):
 
 
 class _Slot:
-    """The window's running (count, mean, M2) of one call of one layer.
+    """One call of one layer: its place in a `_SlotGroup`'s flat vectors."""
 
-    Under `tf.distribute` each replica holds its own: the statistics of the
-    samples of its share of the window's micro-batches.
-    """
-
-    def __init__(self, layer, index):
+    def __init__(self, layer, index, group, size):
         self.layer = layer
         self.index = index
-        dtype = _statistics_dtype(layer.moving_mean)
-        shape = tuple(layer.moving_mean.shape)
-        prefix = f"{layer.name}_call{index}_window_"
+        self.group = group
+        self.size = size
+
+
+class _SlotGroup:
+    """The window's running (count, mean, M2) of several calls, flattened.
+
+    Each channel of each call has one entry in three flat variables; a
+    call's count is repeated over its channels, so that all the window's
+    arithmetic is elementwise on one vector per group: a few ops per
+    micro-batch whatever the number of layers. Groups are created once, when
+    new calls are first seen (at `build()`, or while the train step is
+    traced), and never change shape. Under `tf.distribute` each replica
+    holds its own: the statistics of its share of the window's samples.
+    """
+
+    def __init__(self, keys, dtype, name):
+        self.dtype = dtype
+        self.slots = []
+        for layer, index in keys:
+            size = layer.moving_mean.shape.num_elements()
+            self.slots.append(_Slot(layer, index, self, size))
+        self.sizes = [slot.size for slot in self.slots]
         with tf.init_scope():
-            self.count = _local_variable(tf.zeros((), dtype), prefix + "count")
-            self.mean = _local_variable(
-                tf.zeros(shape, dtype), prefix + "mean"
-            )
-            self.m2 = _local_variable(tf.zeros(shape, dtype), prefix + "m2")
+            zeros = tf.zeros((sum(self.sizes),), dtype)
+            self.count = _local_variable(zeros, name + "_count")
+            self.mean = _local_variable(zeros, name + "_mean")
+            self.m2 = _local_variable(zeros, name + "_m2")
+
+    def flatten(self, calls):
+        """Flat (count, mean, variance) of one forward pass.
+
+        Args:
+            calls: dict from slot to its recorded (count, mean, variance);
+                a slot without a recorded call contributes a count of 0.
+
+        Returns:
+            Three flat tensors, or `None` if no slot of the group was called.
+        """
+        if not any(slot in calls for slot in self.slots):
+            return None
+        counts, means, variances = [], [], []
+        for slot in self.slots:
+            if slot in calls:
+                count, mean, variance = calls[slot]
+                counts.append(tf.fill([slot.size], tf.cast(count, self.dtype)))
+                means.append(tf.reshape(tf.cast(mean, self.dtype), [-1]))
+                variances.append(
+                    tf.reshape(tf.cast(variance, self.dtype), [-1])
+                )
+            else:
+                zeros = tf.zeros([slot.size], self.dtype)
+                counts.append(zeros)
+                means.append(zeros)
+                variances.append(zeros)
+        return tuple(
+            tf.concat(parts, axis=0) for parts in (counts, means, variances)
+        )
 
     def add(self, count, mean, variance):
         """Adds one micro-batch (Chan et al.'s parallel combination)."""
-        dtype = self.count.dtype
-        count = tf.cast(count, dtype)
-        mean = tf.reshape(tf.cast(mean, dtype), self.mean.shape)
-        variance = tf.reshape(tf.cast(variance, dtype), self.m2.shape)
         count_a = self.count.read_value()
         mean_a = self.mean.read_value()
         total = count_a + count
@@ -119,38 +160,75 @@ class _Slot:
         )
         self.count.assign(total)
 
-    def update_moving_statistics(self, count=None, mean=None, m2=None):
-        """`moving = moving * momentum + window * (1 - momentum)` if n > 0.
-
-        Args:
-            count, mean, m2: the window's statistics; by default this
-                slot's own (one replica). Under `tf.distribute`, those
-                combined over the replicas, in cross-replica context.
-        """
-        layer = self.layer
-        momentum = layer.momentum
-        if count is None:
-            count = self.count.read_value()
-            mean = self.mean.read_value()
-            m2 = self.m2.read_value()
-        has_samples = count > 0
-        window_mean = tf.reshape(mean, self.mean.shape)
-        window_variance = tf.reshape(
-            tf.math.divide_no_nan(m2, count), self.m2.shape
+    def read(self):
+        return (
+            self.count.read_value(),
+            self.mean.read_value(),
+            self.m2.read_value(),
         )
-        for variable, value in (
-            (layer.moving_mean, window_mean),
-            (layer.moving_variance, window_variance),
-        ):
-            moving = tf.convert_to_tensor(variable)
-            value = tf.cast(value, moving.dtype)
-            updated = moving * momentum + value * (1.0 - momentum)
-            variable.assign(tf.where(has_samples, updated, moving))
 
     def reset(self):
-        self.count.assign(tf.zeros_like(self.count))
-        self.mean.assign(tf.zeros_like(self.mean))
-        self.m2.assign(tf.zeros_like(self.m2))
+        for variable in (self.count, self.mean, self.m2):
+            variable.assign(tf.zeros_like(variable))
+
+
+def _update_moving_statistics(statistics):
+    """`moving = moving * momentum + window * (1 - momentum)` where n > 0.
+
+    One update per recorded call, in call order for a layer called several
+    times (as one big batch does); the calls with the same index (distinct
+    layers) are updated together, elementwise on concatenated vectors.
+
+    Args:
+        statistics: list of (group, count, mean, m2), the window's flat
+            statistics of each group: this replica's own, or under
+            `tf.distribute` those combined over the replicas (in
+            cross-replica context).
+    """
+    window = {}  # slot -> (has samples, mean, variance), flat per channel
+    for group, count, mean, m2 in statistics:
+        parts = zip(
+            group.slots,
+            tf.split(count > 0, group.sizes),
+            tf.split(mean, group.sizes),
+            tf.split(tf.math.divide_no_nan(m2, count), group.sizes),
+        )
+        for slot, has, slot_mean, slot_variance in parts:
+            window[slot] = (has, slot_mean, slot_variance)
+    rounds = {}  # (call index, moving dtype) -> slots
+    for slot in window:
+        key = (slot.index, tf.as_dtype(slot.layer.moving_mean.dtype))
+        rounds.setdefault(key, []).append(slot)
+    for (_, dtype), slots in sorted(
+        rounds.items(), key=lambda item: item[0][0]
+    ):
+        sizes = [slot.size for slot in slots]
+        momentum = tf.constant(
+            [m for slot in slots for m in [slot.layer.momentum] * slot.size],
+            dtype,
+        )
+        rest = tf.constant(
+            [
+                r
+                for slot in slots
+                for r in [1.0 - slot.layer.momentum] * slot.size
+            ],
+            dtype,
+        )
+        has = tf.concat([window[slot][0] for slot in slots], axis=0)
+        for position, name in ((1, "moving_mean"), (2, "moving_variance")):
+            variables = [getattr(slot.layer, name) for slot in slots]
+            moving = tf.concat(
+                [tf.reshape(tf.convert_to_tensor(v), [-1]) for v in variables],
+                axis=0,
+            )
+            value = tf.cast(
+                tf.concat([window[slot][position] for slot in slots], axis=0),
+                dtype,
+            )
+            updated = tf.where(has, moving * momentum + value * rest, moving)
+            for variable, part in zip(variables, tf.split(updated, sizes)):
+                variable.assign(tf.reshape(part, variable.shape))
 
 
 def _count(layer, inputs, mask):
@@ -262,6 +340,7 @@ class WindowBatchNormStatistics:
             )
         self.enabled = enabled
         self._slots = {}  # (id(layer), call index) -> _Slot, in creation order
+        self._groups = []  # _SlotGroup, in creation order
         # `MirroredStrategy` traces each replica's step in a thread of its
         # own: the patches are shared (counted), the recordings per thread.
         self._local = threading.local()
@@ -285,9 +364,13 @@ class WindowBatchNormStatistics:
         """
         if not self.enabled or model.gradient_accumulation_steps == 1:
             return
-        for layer in window_batch_norm_layers(model):
-            if layer.built:
-                self._slot(layer, 0)
+        self._ensure_slots(
+            [
+                (layer, 0)
+                for layer in window_batch_norm_layers(model)
+                if layer.built
+            ]
+        )
 
     @contextlib.contextmanager
     def record(self, model):
@@ -321,33 +404,36 @@ class WindowBatchNormStatistics:
             self._local.recording = previous
             self._unpatch(bn_layers)
         recorded = [
-            (layer, recording.calls[id(layer)])
+            ((layer, index), statistics)
             for layer in bn_layers
-            if recording.calls[id(layer)]
+            for index, statistics in enumerate(recording.calls[id(layer)])
         ]
         if not recorded:
             return
+        self._ensure_slots([key for key, _ in recorded])
+        calls = {
+            self._slots[(id(layer), index)]: statistics
+            for (layer, index), statistics in recorded
+        }
+        flat = []
+        for group in self._groups:
+            values = group.flatten(calls)
+            if values is not None:
+                flat.append((group, values))
+        # A micro-batch whose statistics are not all finite adds nothing.
         finite = tf.reduce_all(
             tf.stack(
                 [
-                    tf.logical_and(
-                        tf.reduce_all(tf.math.is_finite(mean)),
-                        tf.reduce_all(tf.math.is_finite(variance)),
-                    )
-                    for _, layer_calls in recorded
-                    for _, mean, variance in layer_calls
+                    tf.reduce_all(tf.math.is_finite(values[i]))
+                    for _, values in flat
+                    for i in (1, 2)
                 ]
             )
         )
-        for layer, layer_calls in recorded:
-            for index, (count, mean, variance) in enumerate(layer_calls):
-                slot = self._slot(layer, index)
-                zero = tf.zeros_like(mean)
-                slot.add(
-                    tf.where(finite, count, tf.zeros_like(count)),
-                    tf.where(finite, mean, zero),
-                    tf.where(finite, variance, zero),
-                )
+        for group, values in flat:
+            group.add(
+                *[tf.where(finite, v, tf.zeros_like(v)) for v in values]
+            )
 
     def end_step(self, accumulator):
         """Ends the window if the train step just ended one.
@@ -358,7 +444,7 @@ class WindowBatchNormStatistics:
         Args:
             accumulator: the `GradientAccumulator`.
         """
-        if not self._slots:
+        if not self._groups:
             return
         self.end_window(
             accumulator.update_applied.read_value(),
@@ -377,22 +463,23 @@ class WindowBatchNormStatistics:
                 if not (a skipped window) the moving statistics are kept.
             window_ended: bool tensor, whether a window ended at all.
         """
-        slots = self.slots
-        if not slots:
+        groups = list(self._groups)
+        if not groups:
             return
         if in_strategy_replica_context():
-            self._end_window_distributed(slots, applied, window_ended)
+            self._end_window_distributed(groups, applied, window_ended)
             return
 
         def update():
-            for slot in slots:
-                slot.update_moving_statistics()
+            _update_moving_statistics(
+                [(group,) + group.read() for group in groups]
+            )
             return tf.constant(True)
 
         def finish():
             tf.cond(applied, update, lambda: tf.constant(False))
-            for slot in slots:
-                slot.reset()
+            for group in groups:
+                group.reset()
             return tf.constant(True)
 
         if window_ended is True:
@@ -400,7 +487,7 @@ class WindowBatchNormStatistics:
         else:
             tf.cond(window_ended, finish, lambda: tf.constant(False))
 
-    def _end_window_distributed(self, slots, applied, window_ended):
+    def _end_window_distributed(self, groups, applied, window_ended):
         """The window's end under several replicas.
 
         The moving statistics are mirrored: they are updated in
@@ -420,7 +507,7 @@ class WindowBatchNormStatistics:
             applied = distribution.experimental_local_results(applied)[0]
 
             def update():
-                _update_from_replicas(distribution, slots)
+                _update_from_replicas(distribution, groups)
                 return tf.constant(True)
 
             return tf.cond(
@@ -432,24 +519,40 @@ class WindowBatchNormStatistics:
         context.merge_call(cross_replica, args=(window_ended, applied))
 
         def reset_local():
-            for slot in slots:
-                slot.reset()
+            for group in groups:
+                group.reset()
             return tf.constant(True)
 
         tf.cond(window_ended, reset_local, lambda: tf.constant(False))
 
     def reset(self):
         """Discards the statistics of the pending window."""
-        for slot in self.slots:
-            slot.reset()
+        for group in self._groups:
+            group.reset()
 
-    def _slot(self, layer, index):
-        key = (id(layer), index)
-        slot = self._slots.get(key)
-        if slot is None or slot.layer is not layer:
-            slot = _Slot(layer, index)
-            self._slots[key] = slot
-        return slot
+    def _ensure_slots(self, keys):
+        """Creates one group for the (layer, call index) pairs not yet held.
+
+        Under `MirroredStrategy` the replicas trace in threads of their own;
+        the first one creates the group, the others find it.
+        """
+        with self._lock:
+            missing = []
+            for layer, index in keys:
+                slot = self._slots.get((id(layer), index))
+                if slot is None or slot.layer is not layer:
+                    missing.append((layer, index))
+            by_dtype = {}
+            for layer, index in missing:
+                dtype = _statistics_dtype(layer.moving_mean)
+                by_dtype.setdefault(dtype, []).append((layer, index))
+            for dtype, group_keys in by_dtype.items():
+                group = _SlotGroup(
+                    group_keys, dtype, f"window_batch_norm_{len(self._groups)}"
+                )
+                self._groups.append(group)
+                for slot in group.slots:
+                    self._slots[(id(slot.layer), slot.index)] = slot
 
     # ------------------------------------------------------------------
     # Patches of the layers, while forward passes are recorded
@@ -584,43 +687,40 @@ def _restore(obj, name, own):
         object.__setattr__(obj, name, own)
 
 
-def _update_from_replicas(distribution, slots):
+def _update_from_replicas(distribution, groups):
     """Combines the replicas' statistics; updates the moving statistics.
 
-    In cross-replica context. Two all-reduces, for all slots at once: the
+    In cross-replica context. Two all-reduces, for all groups at once: the
     counts and `n_r * mean_r`, then `M2_r + n_r * (mean_r - mean)**2`.
     """
     dtype = (
         tf.float64
-        if any(slot.count.dtype == tf.float64 for slot in slots)
+        if any(group.dtype == tf.float64 for group in groups)
         else tf.float32
     )
-    sizes = [slot.mean.shape.num_elements() for slot in slots]
+    total = sum(sum(group.sizes) for group in groups)
+    sizes = [sum(group.sizes) for group in groups]
 
     def local_statistics():
         return [
-            (
-                tf.cast(slot.count.read_value(), dtype),
-                tf.reshape(tf.cast(slot.mean.read_value(), dtype), [-1]),
-                tf.reshape(tf.cast(slot.m2.read_value(), dtype), [-1]),
-            )
-            for slot in slots
+            tuple(tf.cast(value, dtype) for value in group.read())
+            for group in groups
         ]
 
     def first_moments():
         local = local_statistics()
-        counts = tf.stack([count for count, _, _ in local])
         return tf.concat(
-            [counts] + [count * mean for count, mean, _ in local], axis=0
+            [count for count, _, _ in local]
+            + [count * mean for count, mean, _ in local],
+            axis=0,
         )
 
     def second_moments(means):
-        means = tf.split(means, sizes)
         return tf.concat(
             [
                 m2 + count * tf.square(mean - global_mean)
                 for (count, mean, m2), global_mean in zip(
-                    local_statistics(), means
+                    local_statistics(), tf.split(means, sizes)
                 )
             ],
             axis=0,
@@ -632,23 +732,25 @@ def _update_from_replicas(distribution, slots):
         distribution.extended.call_for_each_replica(first_moments),
         axis=None,
     )
-    counts = tf.unstack(totals[: len(slots)])
-    means = [
-        tf.math.divide_no_nan(total, count)
-        for total, count in zip(tf.split(totals[len(slots) :], sizes), counts)
-    ]
-    m2s = tf.split(
-        distribution.reduce(
-            sum_op,
-            distribution.extended.call_for_each_replica(
-                second_moments, args=(tf.concat(means, axis=0),)
-            ),
-            axis=None,
+    counts = totals[:total]
+    means = tf.math.divide_no_nan(totals[total:], counts)
+    m2s = distribution.reduce(
+        sum_op,
+        distribution.extended.call_for_each_replica(
+            second_moments, args=(means,)
         ),
-        sizes,
+        axis=None,
     )
-    for slot, count, mean, m2 in zip(slots, counts, means, m2s):
-        slot.update_moving_statistics(count, mean, m2)
+    _update_moving_statistics(
+        list(
+            zip(
+                groups,
+                tf.split(counts, sizes),
+                tf.split(means, sizes),
+                tf.split(m2s, sizes),
+            )
+        )
+    )
 
 
 def _current_graph():
