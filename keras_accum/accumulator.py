@@ -322,7 +322,7 @@ class GradientAccumulator(tf.Module):
         content is stale, and the next window's first accumulated
         micro-batch overwrites them instead of adding to them. That saves
         a pass over every buffer per window and keeps the buffers out of
-        the window-end branch (see `_run_if`).
+        the window-end branch (see `run_if`).
         """
         if self._weight_sum is not None:
             self._weight_sum.assign(tf.zeros_like(self._weight_sum))
@@ -389,7 +389,7 @@ class GradientAccumulator(tf.Module):
                 and (not fused or isinstance(g, tf.IndexedSlices))
             ]
             if to_zero:
-                _run_if(first, functools.partial(_zero, to_zero))
+                run_if(first, functools.partial(_zero, to_zero))
             for buffer, g in zip(self._buffers, gradients):
                 if g is None:
                     continue
@@ -408,7 +408,7 @@ class GradientAccumulator(tf.Module):
                         tf.where(first, contribution, buffer + contribution)
                     )
                 else:
-                    buffer.assign_add(tf.cast(g, buffer.dtype) * c)
+                    _add_scaled(buffer, tf.cast(g, buffer.dtype), c)
             self._weight_sum.assign_add(weight_increment)
             self.accumulated.assign_add(1)
             return tf.constant(True)
@@ -487,7 +487,7 @@ class GradientAccumulator(tf.Module):
             self.reset()
             return applied
 
-        applied = _run_if(ready, finish)
+        applied = run_if(ready, finish)
         self.update_applied.assign(applied)
         return applied
 
@@ -596,7 +596,7 @@ class GradientAccumulator(tf.Module):
         return applied
 
 
-def _run_if(pred, fn):
+def run_if(pred, fn):
     """Returns `fn()` (a boolean tensor) if `pred`, else `False`.
 
     A `tf.cond`, except when XLA compiles for the CPU: there it is a loop
@@ -644,6 +644,19 @@ def _in_xla_context():
         return False
     graph = tf.compat.v1.get_default_graph()
     return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def _add_scaled(variable, value, factor):
+    """`variable += factor * value`, in place and in one pass.
+
+    `variable.assign_add(value * factor)` would first write the product to
+    a temporary tensor the size of the variable; the gradient descent
+    kernel (`variable -= alpha * delta`, with `alpha = -factor`) reads both
+    operands once and writes the variable once.
+    """
+    tf.raw_ops.ResourceApplyGradientDescent(
+        var=variable.handle, alpha=-factor, delta=value
+    )
 
 
 def _zero(variables):

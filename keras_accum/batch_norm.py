@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import layers as keras_layers
 
 from keras_accum.accumulator import in_strategy_replica_context
+from keras_accum.accumulator import run_if
 
 _BatchNormalization = keras_layers.BatchNormalization
 _MISSING = object()
@@ -485,7 +486,7 @@ class WindowBatchNormStatistics:
         if window_ended is True:
             finish()
         else:
-            tf.cond(window_ended, finish, lambda: tf.constant(False))
+            run_if(window_ended, finish)
 
     def _end_window_distributed(self, groups, applied, window_ended):
         """The window's end under several replicas.
