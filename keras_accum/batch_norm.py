@@ -82,10 +82,9 @@ def _local_variable(initial_value, name):
 class _Slot:
     """One call of one layer: its place in a `_SlotGroup`'s flat vectors."""
 
-    def __init__(self, layer, index, group, size):
+    def __init__(self, layer, index, size):
         self.layer = layer
         self.index = index
-        self.group = group
         self.size = size
 
 
@@ -106,7 +105,7 @@ class _SlotGroup:
         self.slots = []
         for layer, index in keys:
             size = layer.moving_mean.shape.num_elements()
-            self.slots.append(_Slot(layer, index, self, size))
+            self.slots.append(_Slot(layer, index, size))
         self.sizes = [slot.size for slot in self.slots]
         with tf.init_scope():
             zeros = tf.zeros((sum(self.sizes),), dtype)
@@ -699,8 +698,8 @@ def _update_from_replicas(distribution, groups):
         if any(group.dtype == tf.float64 for group in groups)
         else tf.float32
     )
-    total = sum(sum(group.sizes) for group in groups)
     sizes = [sum(group.sizes) for group in groups]
+    total = sum(sizes)
 
     def local_statistics():
         return [
