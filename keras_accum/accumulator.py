@@ -377,38 +377,51 @@ class GradientAccumulator(tf.Module):
 
         def add():
             # The window's first added micro-batch replaces the stale
-            # buffers (see `reset`). Under XLA a select that fuses with the
-            # addition does it for free; otherwise (and for sparse updates)
-            # the buffers are zeroed first.
+            # buffers (see `reset`) instead of adding to them. Under XLA a
+            # select that fuses with the addition does it; otherwise a
+            # `tf.cond` writes `c * g` (first) or adds it in place (later).
+            # No zeros are written: a zero-filled tensor the size of each
+            # buffer would be folded into a constant held by the graph.
             first = tf.equal(self.accumulated.read_value(), 0)
-            fused = _in_xla_context()
-            to_zero = [
-                buffer
+            pairs = [
+                (buffer, g)
                 for buffer, g in zip(self._buffers, gradients)
                 if g is not None
-                and (not fused or isinstance(g, tf.IndexedSlices))
             ]
-            if to_zero:
-                run_if(first, functools.partial(_zero, to_zero))
-            for buffer, g in zip(self._buffers, gradients):
-                if g is None:
-                    continue
-                c = tf.cast(coefficient, buffer.dtype)
-                if isinstance(g, tf.IndexedSlices):
-                    buffer.scatter_add(
-                        tf.IndexedSlices(
-                            tf.cast(g.values, buffer.dtype) * c,
-                            g.indices,
-                            g.dense_shape,
+            factors = {}  # buffer dtype -> coefficient, cast once
+
+            def factor(dtype):
+                if dtype not in factors:
+                    factors[dtype] = tf.cast(coefficient, dtype)
+                return factors[dtype]
+
+            if _in_xla_context():
+                sparse = [
+                    buffer
+                    for buffer, g in pairs
+                    if isinstance(g, tf.IndexedSlices)
+                ]
+                if sparse:
+                    run_if(first, functools.partial(_zero, sparse))
+                for buffer, g in pairs:
+                    c = factor(buffer.dtype)
+                    if isinstance(g, tf.IndexedSlices):
+                        _scatter_add_scaled(buffer, g, c)
+                    else:
+                        contribution = tf.cast(g, buffer.dtype) * c
+                        buffer.assign(
+                            tf.where(
+                                first, contribution, buffer + contribution
+                            )
                         )
-                    )
-                elif fused:
-                    contribution = tf.cast(g, buffer.dtype) * c
-                    buffer.assign(
-                        tf.where(first, contribution, buffer + contribution)
-                    )
-                else:
-                    _add_scaled(buffer, tf.cast(g, buffer.dtype), c)
+            else:
+                for dtype in {buffer.dtype for buffer, _ in pairs}:
+                    factor(dtype)
+                tf.cond(
+                    first,
+                    functools.partial(_write_scaled, pairs, factors),
+                    functools.partial(_add_scaled, pairs, factors),
+                )
             self._weight_sum.assign_add(weight_increment)
             self.accumulated.assign_add(1)
             return tf.constant(True)
@@ -460,8 +473,9 @@ class GradientAccumulator(tf.Module):
         ]
 
     def _window_ok(self, policy):
+        """Whether the window may be applied; `None`: always (no branch)."""
         if policy == "propagate":
-            return tf.constant(True)
+            return None
         if policy == "skip_window":
             return tf.equal(self.accumulated, self.micro_step)
         return self.accumulated > 0
@@ -542,7 +556,7 @@ class GradientAccumulator(tf.Module):
                 )
                 steps, accumulated, weight_sum = tf.unstack(totals)
                 if policy == "propagate":
-                    ok = tf.constant(True)
+                    ok = None
                 elif policy == "skip_window":
                     ok = tf.equal(accumulated, steps)
                 else:
@@ -572,6 +586,8 @@ class GradientAccumulator(tf.Module):
                     tf.cond(
                         accumulated < steps, shrink, lambda: tf.constant(False)
                     )
+                if ok is None:
+                    return apply()
                 return tf.cond(ok, apply, skip)
 
             return tf.cond(ready, finish, lambda: tf.constant(False))
@@ -646,16 +662,61 @@ def _in_xla_context():
     return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
 
-def _add_scaled(variable, value, factor):
-    """`variable += factor * value`, in place and in one pass.
+def _write_scaled(pairs, factors):
+    """`buffer = factor * g` for each (buffer, g): a window's first addition.
 
-    `variable.assign_add(value * factor)` would first write the product to
-    a temporary tensor the size of the variable; the gradient descent
-    kernel (`variable -= alpha * delta`, with `alpha = -factor`) reads both
-    operands once and writes the variable once.
+    Args:
+        pairs: list of (buffer variable, gradient), the gradient dense or
+            `tf.IndexedSlices`.
+        factors: dict from buffer dtype to the scalar factor in that dtype.
+
+    Returns:
+        `True`, as a tensor (a `tf.cond` branch).
     """
-    tf.raw_ops.ResourceApplyGradientDescent(
-        var=variable.handle, alpha=-factor, delta=value
+    for buffer, g in pairs:
+        c = factors[buffer.dtype]
+        if isinstance(g, tf.IndexedSlices):
+            buffer.assign(tf.zeros_like(buffer))
+            _scatter_add_scaled(buffer, g, c)
+        else:
+            buffer.assign(tf.cast(g, buffer.dtype) * c)
+    return tf.constant(True)
+
+
+def _add_scaled(pairs, factors):
+    """`buffer += factor * g` for each (buffer, g), in place and in one pass.
+
+    `buffer.assign_add(g * factor)` would first write the product to a
+    temporary tensor the size of the buffer; the gradient descent kernel
+    (`buffer -= alpha * g`, with `alpha = -factor`) reads both operands once
+    and writes the buffer once.
+
+    Args:
+        pairs: as for `_write_scaled`.
+        factors: as for `_write_scaled`.
+
+    Returns:
+        `True`, as a tensor (a `tf.cond` branch).
+    """
+    alphas = {dtype: -c for dtype, c in factors.items()}
+    for buffer, g in pairs:
+        if isinstance(g, tf.IndexedSlices):
+            _scatter_add_scaled(buffer, g, factors[buffer.dtype])
+        else:
+            tf.raw_ops.ResourceApplyGradientDescent(
+                var=buffer.handle,
+                alpha=alphas[buffer.dtype],
+                delta=tf.cast(g, buffer.dtype),
+            )
+    return tf.constant(True)
+
+
+def _scatter_add_scaled(buffer, g, factor):
+    """`buffer[g.indices] += factor * g.values` (`g` a `tf.IndexedSlices`)."""
+    buffer.scatter_add(
+        tf.IndexedSlices(
+            tf.cast(g.values, buffer.dtype) * factor, g.indices, g.dense_shape
+        )
     )
 
 

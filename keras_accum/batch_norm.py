@@ -129,18 +129,22 @@ class _SlotGroup:
         for slot in self.slots:
             if slot in calls:
                 count, mean, variance = calls[slot]
-                counts.append(tf.fill([slot.size], tf.cast(count, self.dtype)))
-                means.append(tf.reshape(tf.cast(mean, self.dtype), [-1]))
-                variances.append(
-                    tf.reshape(tf.cast(variance, self.dtype), [-1])
-                )
+                counts.append(count)
+                means.append(_flat(mean, self.dtype))
+                variances.append(_flat(variance, self.dtype))
             else:
                 zeros = tf.zeros([slot.size], self.dtype)
-                counts.append(zeros)
+                counts.append(tf.zeros((), tf.int64))
                 means.append(zeros)
                 variances.append(zeros)
-        return tuple(
-            tf.concat(parts, axis=0) for parts in (counts, means, variances)
+        # One count per call, repeated over the call's channels.
+        slot_of_entry = [
+            i for i, size in enumerate(self.sizes) for _ in range(size)
+        ]
+        return (
+            tf.gather(tf.cast(tf.stack(counts), self.dtype), slot_of_entry),
+            _concat(means),
+            _concat(variances),
         )
 
     def add(self, count, mean, variance):
@@ -185,23 +189,35 @@ def _update_moving_statistics(statistics):
             `tf.distribute` those combined over the replicas (in
             cross-replica context).
     """
-    window = {}  # slot -> (has samples, mean, variance), flat per channel
-    for group, count, mean, m2 in statistics:
-        parts = zip(
-            group.slots,
-            tf.split(count > 0, group.sizes),
-            tf.split(mean, group.sizes),
-            tf.split(tf.math.divide_no_nan(m2, count), group.sizes),
-        )
-        for slot, has, slot_mean, slot_variance in parts:
-            window[slot] = (has, slot_mean, slot_variance)
+    # (has samples, mean, variance), flat per channel, for each group.
+    flat = [
+        (group, count > 0, mean, tf.math.divide_no_nan(m2, count))
+        for group, count, mean, m2 in statistics
+    ]
     rounds = {}  # (call index, moving dtype) -> slots
-    for slot in window:
-        key = (slot.index, tf.as_dtype(slot.layer.moving_mean.dtype))
-        rounds.setdefault(key, []).append(slot)
+    for group, *_ in flat:
+        for slot in group.slots:
+            key = (slot.index, tf.as_dtype(slot.layer.moving_mean.dtype))
+            rounds.setdefault(key, []).append(slot)
+    split = None  # slot -> its parts of `flat`; made only when needed
     for (_, dtype), slots in sorted(
         rounds.items(), key=lambda item: item[0][0]
     ):
+        # Usually (each layer called once) a round is one whole group: its
+        # flat vectors are used as they are.
+        whole = [entry for entry in flat if entry[0].slots == slots]
+        if whole:
+            _, has, mean, variance = whole[0]
+        else:
+            if split is None:
+                split = {}
+                for group, *vectors in flat:
+                    parts = [tf.split(v, group.sizes) for v in vectors]
+                    for slot, *slot_parts in zip(group.slots, *parts):
+                        split[slot] = slot_parts
+            has, mean, variance = (
+                _concat([split[slot][i] for slot in slots]) for i in range(3)
+            )
         sizes = [slot.size for slot in slots]
         momentum = tf.constant(
             [m for slot in slots for m in [slot.layer.momentum] * slot.size],
@@ -215,20 +231,33 @@ def _update_moving_statistics(statistics):
             ],
             dtype,
         )
-        has = tf.concat([window[slot][0] for slot in slots], axis=0)
-        for position, name in ((1, "moving_mean"), (2, "moving_variance")):
+        for name, value in (
+            ("moving_mean", mean),
+            ("moving_variance", variance),
+        ):
             variables = [getattr(slot.layer, name) for slot in slots]
-            moving = tf.concat(
-                [tf.reshape(tf.convert_to_tensor(v), [-1]) for v in variables],
-                axis=0,
+            moving = _concat(
+                [_flat(tf.convert_to_tensor(v), dtype) for v in variables]
             )
-            value = tf.cast(
-                tf.concat([window[slot][position] for slot in slots], axis=0),
-                dtype,
-            )
+            value = tf.cast(value, dtype)
             updated = tf.where(has, moving * momentum + value * rest, moving)
-            for variable, part in zip(variables, tf.split(updated, sizes)):
-                variable.assign(tf.reshape(part, variable.shape))
+            parts = tf.split(updated, sizes) if len(sizes) > 1 else [updated]
+            for variable, part in zip(variables, parts):
+                if part.shape != variable.shape:
+                    part = tf.reshape(part, variable.shape)
+                variable.assign(part)
+
+
+def _flat(value, dtype):
+    """`value` as a flat vector of `dtype` (no op where it already is)."""
+    value = tf.cast(value, dtype)
+    if value.shape.rank != 1:
+        value = tf.reshape(value, [-1])
+    return value
+
+
+def _concat(parts):
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
 def _count(layer, inputs, mask):
@@ -241,6 +270,12 @@ def _count(layer, inputs, mask):
     """
     if mask is not None:
         return tf.reduce_sum(tf.cast(mask, tf.int64))
+    rank = inputs.shape.rank
+    if rank is not None and len(layer._reduction_axes) == rank - 1:
+        channels = inputs.shape[layer.axis]
+        if channels is not None:
+            # Every axis but the channel axis is reduced over.
+            return tf.size(inputs, out_type=tf.int64) // channels
     shape = tf.shape(inputs, out_type=tf.int64)
     return tf.reduce_prod(tf.gather(shape, layer._reduction_axes))
 
@@ -596,8 +631,8 @@ class WindowBatchNormStatistics:
             recording.calls[id(layer)].append(
                 (
                     _count(layer, inputs, mask),
-                    tf.stop_gradient(mean),
-                    tf.stop_gradient(variance),
+                    mean,
+                    variance,
                 )
             )
             # The layer now assigns its moving statistics: not this time.
