@@ -228,8 +228,10 @@ def main(argv=None):
                              "every N (default 32, quick 8)")
     parser.add_argument("--large-steps", type=int, default=3,
                         help="steps for plain N*B")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="children per configuration; the median is reported")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="fresh processes per configuration; the median "
+                             "is reported (RSS varies by ~10 MiB between "
+                             "identical processes)")
     parser.add_argument("--cpu-allocator", choices=("bfc", "default"), default="bfc",
                         help="CPU only: 'bfc' (default) sets TF_CPU_ALLOCATOR_USE_BFC "
                              "so tensor memory can be read as on GPU, besides RSS; "
