@@ -380,8 +380,8 @@ class GradientAccumulator(tf.Module):
             # buffers (see `reset`) instead of adding to them. Under XLA a
             # select that fuses with the addition does it; otherwise a
             # `tf.cond` writes `c * g` (first) or adds it in place (later).
-            # No zeros are written: a zero-filled tensor the size of each
-            # buffer would be folded into a constant held by the graph.
+            # No zeros are written: Grappler can fold a zero-filled tensor
+            # the size of each buffer into a constant held by the graph.
             first = tf.equal(self.accumulated.read_value(), 0)
             pairs = [
                 (buffer, g)
@@ -415,8 +415,8 @@ class GradientAccumulator(tf.Module):
                             )
                         )
             else:
-                for dtype in {buffer.dtype for buffer, _ in pairs}:
-                    factor(dtype)
+                for buffer, _ in pairs:
+                    factor(buffer.dtype)
                 tf.cond(
                     first,
                     functools.partial(_write_scaled, pairs, factors),
