@@ -380,21 +380,19 @@ class GradientAccumulator(tf.Module):
             # buffers (see `reset`) instead of adding to them. Under XLA a
             # select that fuses with the addition does it; otherwise a
             # `tf.cond` writes `c * g` (first) or adds it in place (later).
-            # No zeros are written: Grappler can fold a zero-filled tensor
-            # the size of each buffer into a constant held by the graph.
+            # Dense buffers are never zero-filled: Grappler can fold such a
+            # tensor, the size of each buffer, into a constant of the graph.
             first = tf.equal(self.accumulated.read_value(), 0)
             pairs = [
                 (buffer, g)
                 for buffer, g in zip(self._buffers, gradients)
                 if g is not None
             ]
-            factors = {}  # buffer dtype -> coefficient, cast once
-
-            def factor(dtype):
-                if dtype not in factors:
-                    factors[dtype] = tf.cast(coefficient, dtype)
-                return factors[dtype]
-
+            # Buffer dtype -> the coefficient in it, cast once per dtype.
+            factors = {
+                dtype: tf.cast(coefficient, dtype)
+                for dtype in dict.fromkeys(buffer.dtype for buffer, _ in pairs)
+            }
             if _in_xla_context():
                 sparse = [
                     buffer
@@ -404,7 +402,7 @@ class GradientAccumulator(tf.Module):
                 if sparse:
                     run_if(first, functools.partial(_zero, sparse))
                 for buffer, g in pairs:
-                    c = factor(buffer.dtype)
+                    c = factors[buffer.dtype]
                     if isinstance(g, tf.IndexedSlices):
                         _scatter_add_scaled(buffer, g, c)
                     else:
@@ -415,8 +413,6 @@ class GradientAccumulator(tf.Module):
                             )
                         )
             else:
-                for buffer, _ in pairs:
-                    factor(buffer.dtype)
                 tf.cond(
                     first,
                     functools.partial(_write_scaled, pairs, factors),
