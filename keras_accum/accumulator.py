@@ -3,10 +3,15 @@
 import functools
 import numbers
 
+import numpy as np
 import tensorflow as tf
 from keras import optimizers
 
 NON_FINITE_POLICIES = ("auto", "skip_window", "drop_micro_batch", "propagate")
+
+
+# The micro-step counter is an int64.
+MAX_STEPS = 2**63 - 1
 
 
 def validate_steps(value, name="gradient_accumulation_steps"):
@@ -19,11 +24,16 @@ def validate_steps(value, name="gradient_accumulation_steps"):
         raise ValueError(
             f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
         )
+    if value > MAX_STEPS:
+        raise ValueError(
+            f"`{name}` must be at most 2**63 - 1 (the micro-step counter "
+            f"is an int64). Received: {name}={value!r}"
+        )
     return int(value)
 
 
 def validate_policy(value):
-    if value not in NON_FINITE_POLICIES:
+    if not isinstance(value, str) or value not in NON_FINITE_POLICIES:
         raise ValueError(
             "`non_finite_policy` must be one of "
             f"{', '.join(repr(p) for p in NON_FINITE_POLICIES)}. "
@@ -90,7 +100,11 @@ class GradientAccumulator(tf.Module):
     counts), and the buffers: the window's weighted gradient sums, stale
     while `accumulated` is 0 (the window's first added micro-batch
     overwrites them). With `gradient_accumulation_steps=1` no buffers are
-    allocated and gradients pass straight to the optimizer.
+    allocated and gradients pass straight to the optimizer. `state()` lists
+    them by name and `restore()` assigns saved values (before `build()` too);
+    `tf.train.Checkpoint` tracks them as attributes. A micro-batch changes
+    the state only once its gradients exist, so a train call whose input ran
+    out changes nothing.
 
     Loss scaling: with a `keras.optimizers.LossScaleOptimizer`, each
     micro-batch's gradients are unscaled by the scale in force when its loss
@@ -156,6 +170,8 @@ class GradientAccumulator(tf.Module):
         self._buffers = []
         self._grad_is_none = None
         self._weight_dtype = tf.float32
+        # Values restored before their variables existed (see `restore`).
+        object.__setattr__(self, "_pending_state", {})
         with tf.init_scope():
             first = tf.VariableAggregation.ONLY_FIRST_REPLICA
             self.micro_step = _state_variable(0, tf.int64, "micro_step", first)
@@ -188,6 +204,9 @@ class GradientAccumulator(tf.Module):
     def build(self, variables):
         """Creates one buffer per variable; a no-op for the same variables.
 
+        Values restored before the buffers existed (see `restore`) are
+        assigned as the buffers are created.
+
         Args:
             variables: list of the (trainable) variables to accumulate for.
 
@@ -219,7 +238,10 @@ class GradientAccumulator(tf.Module):
                     "weight_sum",
                     tf.VariableAggregation.SUM,
                 )
-            self._buffers = []
+            if self._buffers:
+                # Other variables: a new list (appending to the tracked one
+                # keeps `tf.train.Checkpoint`'s deferred restoration).
+                self._buffers = []
             if self.gradient_accumulation_steps > 1:
                 for v, dtype in zip(variables, dtypes):
                     self._buffers.append(
@@ -230,10 +252,57 @@ class GradientAccumulator(tf.Module):
                             tf.VariableAggregation.SUM,
                         )
                     )
-            self.micro_step.assign(0)
-            self.accumulated.assign(0)
         self._variable_ids = ids
         self._grad_is_none = None
+        if self._pending_state:
+            self.restore(self._pending_state)
+
+    def state(self):
+        """The window's state variables, by name (those created so far).
+
+        Returns:
+            dict from name to `tf.Variable`: `micro_step`, `accumulated`,
+            `weight_sum`, `skipped_windows`, `dropped_micro_batches` and
+            `buffer_<i>`, one per variable.
+        """
+        state = {
+            "micro_step": self.micro_step,
+            "accumulated": self.accumulated,
+            "skipped_windows": self.skipped_windows,
+            "dropped_micro_batches": self.dropped_micro_batches,
+        }
+        if self._weight_sum is not None:
+            state["weight_sum"] = self._weight_sum
+        for i, buffer in enumerate(self._buffers):
+            state[f"buffer_{i}"] = buffer
+        return state
+
+    def restore(self, values):
+        """Assigns saved state; what does not exist yet is kept for `build`.
+
+        Args:
+            values: dict from a `state()` name to a list of values, one per
+                replica (one without a strategy).
+
+        Raises:
+            ValueError: if a saved buffer does not fit its variable.
+        """
+        state = self.state()
+        pending = {}
+        for name, per_replica in values.items():
+            variable = state.get(name)
+            if variable is None:
+                pending[name] = per_replica
+                continue
+            if tuple(variable.shape) != tuple(np.shape(per_replica[0])):
+                raise ValueError(
+                    f"The saved accumulation state `{name}` has shape "
+                    f"{np.shape(per_replica[0])}, but the model's is "
+                    f"{tuple(variable.shape)}: the model differs from the "
+                    "one that was saved."
+                )
+            assign_per_replica(variable, per_replica)
+        object.__setattr__(self, "_pending_state", pending)
 
     # ------------------------------------------------------------------
     # Public step API
@@ -279,6 +348,16 @@ class GradientAccumulator(tf.Module):
             # Loss scaling state is read before the first update.
             optimizer.build(variables)
         self._grad_is_none = [g is None for g in gradients]
+        # Nothing below runs before the gradients exist: a step whose input
+        # ran out (Keras' end-of-data call) changes no state.
+        with tf.control_dependencies(_tensors(gradients)):
+            return self._add_micro_batch(
+                gradients, optimizer, variables, weight, gradient_scale
+            )
+
+    def _add_micro_batch(
+        self, gradients, optimizer, variables, weight, gradient_scale
+    ):
         policy = self._resolve_policy(optimizer)
         scale = self._loss_scale(optimizer)
         if scale is not None:
@@ -333,10 +412,23 @@ class GradientAccumulator(tf.Module):
     # Internals
     # ------------------------------------------------------------------
     def _resolve_policy(self, optimizer):
-        lso = is_loss_scale_optimizer(optimizer)
+        return self.resolve_policy(is_loss_scale_optimizer(optimizer))
+
+    def resolve_policy(self, loss_scaled):
+        """The non-finite policy in force; `"auto"` resolved.
+
+        Args:
+            loss_scaled: bool, whether the optimizer scales the loss.
+
+        Returns:
+            str, `"skip_window"`, `"drop_micro_batch"` or `"propagate"`.
+
+        Raises:
+            ValueError: for `"propagate"` with loss scaling.
+        """
         if self.non_finite_policy == "auto":
-            return "skip_window" if lso else "propagate"
-        if lso and self.non_finite_policy == "propagate":
+            return "skip_window" if loss_scaled else "propagate"
+        if loss_scaled and self.non_finite_policy == "propagate":
             raise ValueError(
                 "`non_finite_policy='propagate'` cannot be used with a "
                 "`LossScaleOptimizer`: an overflow must not reach the "
@@ -714,6 +806,32 @@ def _scatter_add_scaled(buffer, g, factor):
             tf.cast(g.values, buffer.dtype) * factor, g.indices, g.dense_shape
         )
     )
+
+
+def _tensors(gradients):
+    """The dense tensors of `gradients` (for control dependencies)."""
+    return [
+        g.values if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+        if g is not None
+    ]
+
+
+def assign_per_replica(variable, values):
+    """Assigns one value per replica (a plain variable takes the first)."""
+    components = getattr(variable, "values", None)
+    if isinstance(variable, tf.distribute.DistributedValues) and components:
+        for component, value in zip(components, values):
+            component.assign(value)
+    else:
+        variable.assign(values[0])
+
+
+def per_replica_values(variable):
+    """The numpy value of each replica's copy (one for a plain variable)."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return [np.asarray(c.numpy()) for c in variable.values]
+    return [np.asarray(variable.numpy())]
 
 
 def _zero(variables):

@@ -19,6 +19,7 @@ import threading
 import tensorflow as tf
 from keras import layers as keras_layers
 
+from keras_accum.accumulator import assign_per_replica
 from keras_accum.accumulator import in_strategy_replica_context
 from keras_accum.accumulator import run_if
 
@@ -88,7 +89,7 @@ class _Slot:
         self.size = size
 
 
-class _SlotGroup:
+class _SlotGroup(tf.Module):
     """The window's running (count, mean, M2) of several calls, flattened.
 
     Each channel of each call has one entry in three flat variables; a
@@ -101,6 +102,7 @@ class _SlotGroup:
     """
 
     def __init__(self, keys, dtype, name):
+        super().__init__(name=name)
         self.dtype = dtype
         self.slots = []
         for layer, index in keys:
@@ -280,7 +282,7 @@ def _count(layer, inputs, mask):
     return tf.reduce_prod(tf.gather(shape, layer._reduction_axes))
 
 
-class WindowBatchNormStatistics:
+class WindowBatchNormStatistics(tf.Module):
     """Updates BatchNormalization moving statistics once per window.
 
     Inside a `GradientAccumulationModel`, every trainable
@@ -295,8 +297,9 @@ class WindowBatchNormStatistics:
     as Keras uses) variance are combined across micro-batches with Chan et
     al.'s parallel algorithm on `(count, mean, M2)`, never as a mean of
     per-micro-batch variances. They are accumulated in float32 (float64 for
-    float64 moving statistics), in variables that are not model weights and
-    are not saved; the moving statistics remain ordinary layer weights.
+    float64 moving statistics), in variables that are not model weights but
+    are saved with the pending window (`state()`, `restore()`); the moving
+    statistics remain ordinary layer weights.
 
     What stays per micro-batch: the normalisation applied during training.
     In the forward pass each micro-batch is normalised with its own mean and
@@ -373,14 +376,20 @@ class WindowBatchNormStatistics:
                 "`window_batch_norm` must be a bool. Received: "
                 f"window_batch_norm={enabled!r}"
             )
+        super().__init__(name="window_batch_norm")
         self.enabled = enabled
-        self._slots = {}  # (id(layer), call index) -> _Slot, in creation order
+        # `_groups` is tracked (`tf.train.Checkpoint`); the bookkeeping is
+        # not: (id(layer), call index) -> _Slot, in creation order, ...
         self._groups = []  # _SlotGroup, in creation order
+        object.__setattr__(self, "_slots", {})
+        # ... `id(layer)` -> _LayerPatch, and values restored before their
+        # group existed (see `restore`).
+        object.__setattr__(self, "_patches", {})
+        object.__setattr__(self, "_pending_state", {})
         # `MirroredStrategy` traces each replica's step in a thread of its
         # own: the patches are shared (counted), the recordings per thread.
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._patches = {}  # id(layer) -> _LayerPatch
 
     @property
     def slots(self):
@@ -560,10 +569,40 @@ class WindowBatchNormStatistics:
 
         tf.cond(window_ended, reset_local, lambda: tf.constant(False))
 
-    def reset(self):
-        """Discards the statistics of the pending window."""
-        for group in self._groups:
-            group.reset()
+    def state(self):
+        """The window's statistics variables, by name (groups created so far).
+
+        Returns:
+            dict from name (`group_<g>_count`, `_mean`, `_m2`) to variable.
+        """
+        return {
+            f"group_{g}_{field}": getattr(group, field)
+            for g, group in enumerate(self._groups)
+            for field in ("count", "mean", "m2")
+        }
+
+    def restore(self, values):
+        """Assigns saved statistics; a group not created yet gets them later.
+
+        Args:
+            values: dict from a `state()` name to a list of values, one per
+                replica.
+        """
+        state = self.state()
+        self._pending_state.clear()
+        for name, per_replica in values.items():
+            variable = state.get(name)
+            if variable is None:
+                self._pending_state[name] = per_replica
+            elif tuple(variable.shape) == tuple(per_replica[0].shape):
+                assign_per_replica(variable, per_replica)
+            else:
+                raise ValueError(
+                    f"The saved BatchNormalization window statistics "
+                    f"`{name}` have shape {per_replica[0].shape}, but the "
+                    f"model's have {tuple(variable.shape)}: the model "
+                    "differs from the one that was saved."
+                )
 
     def _ensure_slots(self, keys):
         """Creates one group for the (layer, call index) pairs not yet held.
@@ -588,6 +627,8 @@ class WindowBatchNormStatistics:
                 self._groups.append(group)
                 for slot in group.slots:
                     self._slots[(id(slot.layer), slot.index)] = slot
+            if missing and self._pending_state:
+                self.restore(dict(self._pending_state))
 
     # ------------------------------------------------------------------
     # Patches of the layers, while forward passes are recorded

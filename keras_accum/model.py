@@ -3,6 +3,7 @@
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src import backend
 from keras.src import tree
@@ -14,9 +15,12 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_accum import loss_normalizer
 from keras_accum.accumulator import GradientAccumulator
 from keras_accum.accumulator import is_loss_scale_optimizer
-from keras_accum.accumulator import validate_policy
-from keras_accum.accumulator import validate_steps
+from keras_accum.accumulator import per_replica_values
 from keras_accum.batch_norm import WindowBatchNormStatistics
+from keras_accum.callbacks import BackupAndRestore
+
+# Keys of the window's state in Keras' weights stores.
+_STATE_PREFIX = "keras_accum:"
 
 _CONFIG_KEYS = (
     "gradient_accumulation_steps",
@@ -24,6 +28,81 @@ _CONFIG_KEYS = (
     "non_finite_policy",
     "window_batch_norm",
 )
+
+
+def _window_parts(
+    gradient_accumulation_steps,
+    flush_at_epoch_end,
+    non_finite_policy,
+    window_batch_norm,
+):
+    """Validates the model's own arguments; builds the window's parts."""
+    if not isinstance(flush_at_epoch_end, bool):
+        raise ValueError(
+            "`flush_at_epoch_end` must be a bool. Received: "
+            f"flush_at_epoch_end={flush_at_epoch_end!r}"
+        )
+    batch_norm_statistics = WindowBatchNormStatistics(window_batch_norm)
+    accumulator = GradientAccumulator(
+        gradient_accumulation_steps, non_finite_policy=non_finite_policy
+    )
+    return flush_at_epoch_end, accumulator, batch_norm_statistics
+
+
+def _to_replicas(values, replicas):
+    """Saved per-replica window state, made to fit `replicas` replicas.
+
+    The same number of replicas takes the values as saved. Otherwise the
+    window is merged into the first replica: the buffers, normaliser sums
+    and BatchNormalization statistics are combined exactly, as the window's
+    end would combine them, and the other replicas hold nothing (a window
+    with dropped micro-batches cannot be split that way and is discarded,
+    with a warning).
+    """
+    accumulator = values.get("accumulator", {})
+    saved = len(accumulator.get("micro_step", [None]))
+    if saved == replicas:
+        return values
+    merged = {"accumulator": {}, "batch_norm": {}}
+    for name, per_replica in accumulator.items():
+        merged["accumulator"][name] = [per_replica[0]] * replicas
+    pending = int(accumulator.get("micro_step", [0])[0])
+    if not pending:
+        return merged
+    accumulated = [int(a) for a in accumulator["accumulated"]]
+    if any(a != pending for a in accumulated):
+        warnings.warn(
+            "The saved window was accumulated on "
+            f"{saved} replicas and dropped non-finite micro-batches; it "
+            f"cannot be split over {replicas} replicas and is discarded.",
+            stacklevel=3,
+        )
+        for name in ("micro_step", "accumulated"):
+            merged["accumulator"][name] = [np.zeros((), np.int64)] * replicas
+        return merged
+    for name, per_replica in accumulator.items():
+        if name == "weight_sum" or name.startswith("buffer_"):
+            total = np.sum(per_replica, axis=0)
+            merged["accumulator"][name] = [total] + [
+                np.zeros_like(total)
+            ] * (replicas - 1)
+    statistics = values.get("batch_norm", {})
+    for name in statistics:
+        if not name.endswith("_count"):
+            continue
+        group = name[: -len("_count")]
+        counts = np.asarray(statistics[name])
+        means = np.asarray(statistics[group + "_mean"])
+        m2s = np.asarray(statistics[group + "_m2"])
+        count = counts.sum(axis=0)
+        safe = np.where(count > 0, count, 1)
+        mean = (counts * means).sum(axis=0) / safe
+        m2 = (m2s + counts * (means - mean) ** 2).sum(axis=0)
+        for field, value in (("count", count), ("mean", mean), ("m2", m2)):
+            merged["batch_norm"][f"{group}_{field}"] = [value] + [
+                np.zeros_like(value)
+            ] * (replicas - 1)
+    return merged
 
 
 def _check_backend():
@@ -51,6 +130,13 @@ class GradientAccumulationModel(keras.Model):
     clipping count updates. A partial window at the end of an epoch is
     applied, normalised by what it holds, so an epoch equals one epoch of
     `dataset.batch(N * B)`.
+
+    The pending window is saved and restored with the model by every Keras
+    saving path and by `tf.train.Checkpoint`; input of unknown length trains
+    as the same batches of known length would; the partial window is applied
+    before validation and before other callbacks see the epoch's end.
+    `keras_accum.callbacks.BackupAndRestore` resumes a killed `fit()`
+    exactly.
 
     Use it like `keras.Model`: functional
     (`GradientAccumulationModel(inputs, outputs, gradient_accumulation_steps=4)`),
@@ -120,14 +206,12 @@ class GradientAccumulationModel(keras.Model):
         **kwargs,
     ):
         _check_backend()
-        batch_norm_statistics = WindowBatchNormStatistics(window_batch_norm)
-        steps = validate_steps(gradient_accumulation_steps)
-        if not isinstance(flush_at_epoch_end, bool):
-            raise ValueError(
-                "`flush_at_epoch_end` must be a bool. Received: "
-                f"flush_at_epoch_end={flush_at_epoch_end!r}"
-            )
-        validate_policy(non_finite_policy)
+        window = _window_parts(
+            gradient_accumulation_steps,
+            flush_at_epoch_end,
+            non_finite_policy,
+            window_batch_norm,
+        )
         if functional_init_arguments(args, kwargs) and not isinstance(
             self, functional.Functional
         ):
@@ -139,12 +223,18 @@ class GradientAccumulationModel(keras.Model):
             cls = type(self)
             cls.__bases__ = cls.__bases__ + (functional.Functional,)
         super().__init__(*args, **kwargs)
-        self.flush_at_epoch_end = flush_at_epoch_end
-        self.gradient_accumulator = GradientAccumulator(
-            steps, non_finite_policy=non_finite_policy
-        )
         self._flush_function = None
         self._warned_inexact = False
+        # Batches that the next train calls consume without training (set
+        # by `keras_accum.callbacks.BackupAndRestore` to resume mid-epoch).
+        self._batches_to_skip = 0
+        self._set_window_parts(*window)
+
+    def _set_window_parts(
+        self, flush_at_epoch_end, accumulator, batch_norm_statistics
+    ):
+        self.flush_at_epoch_end = flush_at_epoch_end
+        self.gradient_accumulator = accumulator
         self._batch_norm_statistics = batch_norm_statistics
 
     @property
@@ -232,8 +322,10 @@ class GradientAccumulationModel(keras.Model):
     # Compile / fit plumbing
     # ------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        super().compile(optimizer, *args, **kwargs)
-        inner = self.optimizer
+        # Checked before Keras installs anything: a `compile()` that raises
+        # leaves the model as it was.
+        optimizer = keras.optimizers.get(optimizer)
+        inner = optimizer
         if is_loss_scale_optimizer(inner):
             inner = inner.inner_optimizer
         if inner is not None and inner.gradient_accumulation_steps:
@@ -245,9 +337,13 @@ class GradientAccumulationModel(keras.Model):
                 "twice. Drop `gradient_accumulation_steps` from the optimizer "
                 "and set it on the model instead."
             )
-        if self.optimizer is not None:
-            # Raises early for an incompatible policy.
-            self.gradient_accumulator._resolve_policy(self.optimizer)
+        # Keras wraps the optimizer for `mixed_float16` (`auto_scale_loss`).
+        loss_scaled = is_loss_scale_optimizer(optimizer) or (
+            kwargs.get("auto_scale_loss", True)
+            and self.dtype_policy.name == "mixed_float16"
+        )
+        self.gradient_accumulator.resolve_policy(loss_scaled)
+        super().compile(optimizer, *args, **kwargs)
         self._flush_function = None
 
     def compile_from_config(self, config):
@@ -261,20 +357,19 @@ class GradientAccumulationModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        with self.distribute_strategy.scope():
-            self.gradient_accumulator.build(self.trainable_variables)
-            self._batch_norm_statistics.build(self)
-            if self.optimizer is not None and not self.optimizer.built:
-                if self.built and self.trainable_variables:
-                    self.optimizer.build(self.trainable_variables)
+        self._build_window_state()
         super().make_train_function(force=force)
         inner = self.train_function
 
         def train_function(iterator):
             try:
+                if self._batches_to_skip:
+                    return self._skip_batches(iterator)
                 return inner(iterator)
-            except StopIteration:
-                # The end of an epoch of unknown length.
+            except (StopIteration, tf.errors.OutOfRangeError):
+                # The end of an epoch of unknown length: the window's end
+                # comes before validation and the epoch's callbacks.
+                self._batches_to_skip = 0
                 if self.flush_at_epoch_end:
                     self.flush_gradients()
                 raise
@@ -282,6 +377,27 @@ class GradientAccumulationModel(keras.Model):
         self.train_function = train_function
         self._flush_function = None
         return self.train_function
+
+    def _build_window_state(self):
+        """Creates the window's variables (and the optimizer's) if needed."""
+        with self.distribute_strategy.scope():
+            self.gradient_accumulator.build(self.trainable_variables)
+            self._batch_norm_statistics.build(self)
+            optimizer = getattr(self, "optimizer", None)
+            if optimizer is not None and not optimizer.built:
+                if self.built and self.trainable_variables:
+                    optimizer.build(self.trainable_variables)
+
+    def _skip_batches(self, iterator):
+        """Consumes one call's batches without training on them."""
+        count = min(self.steps_per_execution, self._batches_to_skip)
+        for _ in range(count):
+            if hasattr(iterator, "get_next"):
+                iterator.get_next()
+            else:
+                next(iterator)
+        self._batches_to_skip -= count
+        return self.get_metrics_result()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras averages a distributed batch across replicas (`reduce("MEAN")`)
@@ -303,10 +419,22 @@ class GradientAccumulationModel(keras.Model):
             self._symbolic_build(data_batch=data_batch)
 
     def fit(self, *args, callbacks=None, **kwargs):
+        # The window's end comes before any other callback sees the epoch's
+        # or the training's end, and after they all saw the last batch.
+        first, last = [_WindowEnd()], [_LastWindowEnd()]
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.append(_WindowFlush())
+            for callback in first + last:
+                callback.set_model(self)
+                callback.set_params(callbacks.params)
+            callbacks.callbacks[:0] = first
+            callbacks.callbacks.extend(last)
         else:
-            callbacks = list(callbacks or []) + [_WindowFlush()]
+            callbacks = list(callbacks or [])
+            # Our `BackupAndRestore` restores before any other callback
+            # starts, and backs up after the window's end.
+            backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
+            rest = [c for c in callbacks if c not in backups]
+            callbacks = first + backups + rest + last
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def flush_gradients(self):
@@ -505,14 +633,72 @@ class GradientAccumulationModel(keras.Model):
         non_finite_policy="auto",
         window_batch_norm=True,
     ):
-        self.flush_at_epoch_end = flush_at_epoch_end
-        self.gradient_accumulator = GradientAccumulator(
-            gradient_accumulation_steps, non_finite_policy=non_finite_policy
-        )
-        self._batch_norm_statistics = WindowBatchNormStatistics(
-            window_batch_norm
+        self._set_window_parts(
+            *_window_parts(
+                gradient_accumulation_steps,
+                flush_at_epoch_end,
+                non_finite_policy,
+                window_batch_norm,
+            )
         )
 
+    # ------------------------------------------------------------------
+    # The window's state in Keras' weights files
+    # ------------------------------------------------------------------
+    def save_own_variables(self, store):
+        """Saves the model's own variables and the pending window's state.
+
+        The window's state (`gradient_accumulator.state()` and the
+        BatchNormalization window statistics, one value per replica) is
+        saved under keys of its own beside Keras' numbered ones, so `.keras`
+        files, `.weights.h5` files, `ModelCheckpoint` and `BackupAndRestore`
+        keep a window that is part-way through.
+        """
+        super().save_own_variables(store)
+        for part, obj in self._window_state_parts():
+            for name, variable in obj.state().items():
+                for r, value in enumerate(per_replica_values(variable)):
+                    store[f"{_STATE_PREFIX}{part}:{name}:{r}"] = value
+
+    def load_own_variables(self, store):
+        """Loads what `save_own_variables` saved.
+
+        A file without window state (saved by keras_accum 0.1, or by a plain
+        `keras.Model`) loads with an empty window. The optimizer is built
+        first if need be, so that its saved state is loaded too.
+        """
+        if self.built:
+            self._build_window_state()
+        own = {}
+        saved = {}
+        for key in store.keys():
+            if key.startswith(_STATE_PREFIX):
+                part, name, replica = key[len(_STATE_PREFIX) :].split(":")
+                saved.setdefault(part, {}).setdefault(name, {})[
+                    int(replica)
+                ] = np.asarray(store[key])
+            else:
+                own[key] = store[key]
+        super().load_own_variables(own if saved else store)
+        values = {
+            part: {
+                name: [per_replica[r] for r in sorted(per_replica)]
+                for name, per_replica in names.items()
+            }
+            for part, names in saved.items()
+        }
+        values = _to_replicas(
+            values, self.distribute_strategy.num_replicas_in_sync
+        )
+        for part, obj in self._window_state_parts():
+            obj.restore(values.get(part, {}))
+        self._flush_function = None
+
+    def _window_state_parts(self):
+        return (
+            ("accumulator", self.gradient_accumulator),
+            ("batch_norm", self._batch_norm_statistics),
+        )
 
 @keras.saving.register_keras_serializable(package="keras_accum")
 class FunctionalGradientAccumulationModel(
@@ -521,8 +707,34 @@ class FunctionalGradientAccumulationModel(
     """The class of `GradientAccumulationModel(inputs, outputs, ...)`."""
 
 
-class _WindowFlush(keras.callbacks.Callback):
-    """Applies a partial window at the end of each epoch and of `fit()`."""
+class _WindowEnd(keras.callbacks.Callback):
+    """Applies a partial window before other callbacks see an epoch's end.
+
+    Runs first. The last epoch's window is applied here even without
+    `flush_at_epoch_end`, so before Keras finalizes the weights (EMA).
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        epochs = self.params.get("epochs") if self.params else None
+        if (
+            self.model.flush_at_epoch_end
+            or self.model.stop_training
+            or (epochs is not None and epoch + 1 >= epochs)
+        ):
+            self.model.flush_gradients()
+
+    def on_train_end(self, logs=None):
+        self.model.flush_gradients()
+
+
+class _LastWindowEnd(keras.callbacks.Callback):
+    """Applies a partial window after the epoch's last batch, before validation.
+
+    Runs last: every callback sees the last batch as it left the train step.
+    For input of unknown length the train function ends the window when the
+    input runs out. A window carried over the epoch is applied here when a
+    callback stopped the training at the epoch's end.
+    """
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self.params.get("steps") if self.params else None
@@ -530,8 +742,5 @@ class _WindowFlush(keras.callbacks.Callback):
             self.model.flush_gradients()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.model.flush_at_epoch_end:
+        if self.model.stop_training:
             self.model.flush_gradients()
-
-    def on_train_end(self, logs=None):
-        self.model.flush_gradients()

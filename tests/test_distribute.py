@@ -32,6 +32,9 @@ import sys
 import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
+SAVE_WORKER = os.path.join(
+    os.path.dirname(__file__), "distributed", "save_worker.py"
+)
 TIMEOUT = 240
 # Per update: the optimizer's all-reduce of the gradients, and one of three
 # scalars (micro-batches, accumulated micro-batches, normaliser).
@@ -200,3 +203,18 @@ def _scce():
     import keras
 
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_pending_window_saved_per_replica():
+    # `.keras` saved at micro_step 2, 1 and 3 under `MirroredStrategy`:
+    # restored on the same two replicas, or merged onto one device, the
+    # rest of the epoch ends where the uninterrupted run does.
+    run = subprocess.run(
+        [sys.executable, SAVE_WORKER], capture_output=True, text=True,
+        timeout=TIMEOUT, env=_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = _result(run.stdout)
+    assert result["micro_steps"] == [2, 1, 3]
+    assert result["same_replicas"] <= 1e-12, result
+    assert result["one_device"] <= 1e-9, result
