@@ -12,7 +12,7 @@ and hand the gradients to `self.gradient_accumulator`.
 ```python
 grads = tape.gradient(scaled_loss, self.trainable_variables)
 self.gradient_accumulator.accumulate_and_maybe_apply(
-    grads, self.optimizer, self.trainable_variables, weight=normaliser
+    grads, self.optimizer, self.trainable_variables, normalizer=normaliser
 )
 ```
 
@@ -153,7 +153,7 @@ class DiceSegmenter(keras_accum.GradientAccumulationModel):
         # big batch's exactly. (For a per-image mean it would be the number of
         # images, tf.shape(x)[0].) The Dice part is approximate, see above.
         self.gradient_accumulator.accumulate_and_maybe_apply(
-            grads, self.optimizer, self.trainable_variables, weight=num_valid
+            grads, self.optimizer, self.trainable_variables, normalizer=num_valid
         )
         return self._update_metrics(y, logits, loss, ce, dice, num_valid)
 

@@ -3,13 +3,17 @@
 import functools
 import numbers
 
-import numpy as np
 import tensorflow as tf
 from keras import optimizers
 
+from keras_accum._tf_utils import accumulation_dtype
+from keras_accum._tf_utils import assign_state
+from keras_accum._tf_utils import in_replica_context
+from keras_accum._tf_utils import in_xla_context
+from keras_accum._tf_utils import run_if
+from keras_accum._tf_utils import state_variable
+
 NON_FINITE_POLICIES = ("auto", "skip_window", "drop_micro_batch", "propagate")
-
-
 # The micro-step counter is an int64.
 MAX_STEPS = 2**63 - 1
 
@@ -42,90 +46,49 @@ def validate_policy(value):
     return value
 
 
+def resolve_policy(policy, loss_scaled):
+    """The non-finite policy in force, `"auto"` resolved.
+
+    Raises:
+        ValueError: for `"propagate"` with loss scaling.
+    """
+    if policy == "auto":
+        return "skip_window" if loss_scaled else "propagate"
+    if loss_scaled and policy == "propagate":
+        raise ValueError(
+            "`non_finite_policy='propagate'` cannot be used with a "
+            "`LossScaleOptimizer`: an overflow must not reach the "
+            "weights. Use 'skip_window' or 'drop_micro_batch'."
+        )
+    return policy
+
+
 def is_loss_scale_optimizer(optimizer):
     return isinstance(optimizer, optimizers.LossScaleOptimizer)
-
-
-def _buffer_dtype(variable):
-    # Never accumulate in less than float32; keep float64 variables exact.
-    return tf.float64 if tf.as_dtype(variable.dtype) == tf.float64 else (
-        tf.float32
-    )
-
-
-def _state_variable(initial_value, dtype, name, aggregation):
-    """A non-trainable variable that is local to each replica."""
-    return tf.Variable(
-        initial_value,
-        dtype=dtype,
-        name=name,
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=aggregation,
-    )
-
-
-def in_strategy_replica_context():
-    """Whether this runs in a replica context of a `tf.distribute` strategy.
-
-    Also with one replica (a `MirroredStrategy` on a single device): the
-    optimizer's update calls `merge_call` there too, so the window's end must
-    be decided in cross-replica context.
-    """
-    return (
-        tf.distribute.has_strategy()
-        and tf.distribute.get_replica_context() is not None
-    )
 
 
 class GradientAccumulator(tf.Module):
     """Accumulates micro-batch gradients and applies their exact window mean.
 
-    Each micro-batch contributes its gradients with a `weight`: the
-    normaliser its mean loss was divided by (the number of samples, of valid
-    pixels, or the sum of sample weights). After `gradient_accumulation_steps`
-    micro-batches the optimizer is applied once to
+    Each micro-batch's gradients are added with its `normalizer` (the `D` its
+    mean loss was divided by); after `gradient_accumulation_steps` of them
+    the optimizer is applied once to `sum_k(D_k * g_k) / sum_k(D_k)`, what
+    one batch of all the window's samples would give. Buffers are float32
+    (float64 for float64 variables); state is per replica under
+    `tf.distribute`. With a `LossScaleOptimizer`, micro-batches are unscaled
+    one by one and the inner optimizer takes one step per window. Listeners
+    (`add_window_end_listener`) hear of every window's end. See
+    docs/design.md.
 
-        sum_k(weight_k * gradients_k) / sum_k(weight_k),
-
-    which is the gradient of the mean loss over all samples of the window,
-    i.e. what one big batch would give. Gradients are accumulated in float32
-    buffers (float64 for float64 variables), one per variable, created once.
-
-    State (all `tf.Variable`s, local to each replica under `tf.distribute`):
-    `micro_step` (micro-batches in the current window), `weight_sum`,
-    `accumulated` (micro-batches whose gradients were added),
-    `update_applied` (whether the last step applied an update),
-    `skipped_windows` and `dropped_micro_batches` (the non-finite policy's
-    counts), and the buffers: the window's weighted gradient sums, stale
-    while `accumulated` is 0 (the window's first added micro-batch
-    overwrites them). With `gradient_accumulation_steps=1` no buffers are
-    allocated and gradients pass straight to the optimizer. `state()` lists
-    them by name and `restore()` assigns saved values (before `build()` too);
-    `tf.train.Checkpoint` tracks them as attributes. A micro-batch changes
-    the state only once its gradients exist, so a train call whose input ran
-    out changes nothing.
-
-    Loss scaling: with a `keras.optimizers.LossScaleOptimizer`, each
-    micro-batch's gradients are unscaled by the scale in force when its loss
-    was scaled before they are added, and the update goes to the inner
-    optimizer, so `iterations`, schedules, EMA, weight decay and clipping see
-    one step per window. The loss scale grows after `dynamic_growth_steps`
-    *updates*.
-
-    Non-finite policy (`non_finite_policy`):
-    - `"skip_window"`: a window with any non-finite micro-batch is skipped
-      whole: weights, optimizer slots and `iterations` are unchanged, the
-      buffers are reset and a loss scale is halved once.
-    - `"drop_micro_batch"`: only the non-finite micro-batch is dropped; the
-      window is normalised by what remains (a loss scale is halved at once).
-      A window with nothing left is skipped.
-    - `"propagate"`: no check, like `keras.Model` without loss scaling.
-    - `"auto"` (default): `"skip_window"` with a `LossScaleOptimizer`,
-      otherwise `"propagate"`.
+    `non_finite_policy`: `"skip_window"` skips a window with any non-finite
+    micro-batch (a loss scale is halved); `"drop_micro_batch"` drops that
+    micro-batch and normalises by what remains; `"propagate"` checks
+    nothing; `"auto"` (default) is `"skip_window"` with loss scaling, else
+    `"propagate"`.
 
     Args:
         gradient_accumulation_steps: int >= 1, micro-batches per update.
+            `1` allocates no buffers.
         non_finite_policy: str, one of the policies above.
         name: str, the module's name.
 
@@ -149,7 +112,7 @@ class GradientAccumulator(tf.Module):
             loss = tf.reduce_mean(loss)
         grads = tape.gradient(loss, model.trainable_variables)
         accumulator.accumulate_and_maybe_apply(
-            grads, optimizer, model.trainable_variables, weight=2
+            grads, optimizer, model.trainable_variables, normalizer=2
         )
     assert int(optimizer.iterations) == 1
     ```
@@ -168,44 +131,43 @@ class GradientAccumulator(tf.Module):
         self.non_finite_policy = validate_policy(non_finite_policy)
         self._variable_ids = None
         self._buffers = []
-        self._grad_is_none = None
-        self._weight_dtype = tf.float32
-        # Values restored before their variables existed (see `restore`).
+        self._normalizer_sum = None
+        self._normalizer_dtype = tf.float32
+        # Not tracked: saved values waiting for their variables (`restore`)
+        # and the window-end listeners.
         object.__setattr__(self, "_pending_state", {})
+        object.__setattr__(self, "_listeners", [])
+        self._gradient_is_none = None
         with tf.init_scope():
-            first = tf.VariableAggregation.ONLY_FIRST_REPLICA
-            self.micro_step = _state_variable(0, tf.int64, "micro_step", first)
-            self.accumulated = _state_variable(
-                0, tf.int64, "accumulated", first
+            self.micro_step = state_variable(0, "micro_step", dtype=tf.int64)
+            # Micro-batches of the window whose gradients were added.
+            self.added_micro_batches = state_variable(
+                0, "added_micro_batches", dtype=tf.int64
             )
-            self.update_applied = _state_variable(
-                False, tf.bool, "update_applied", first
+            self.update_applied = state_variable(False, "update_applied")
+            self.skipped_windows = state_variable(
+                0, "skipped_windows", dtype=tf.int64
             )
-            self.skipped_windows = _state_variable(
-                0, tf.int64, "skipped_windows", first
+            self.dropped_micro_batches = state_variable(
+                0, "dropped_micro_batches", dtype=tf.int64
             )
-            self.dropped_micro_batches = _state_variable(
-                0, tf.int64, "dropped_micro_batches", first
-            )
-            self._weight_sum = None
 
-    # ------------------------------------------------------------------
-    # Building
-    # ------------------------------------------------------------------
     @property
     def built(self):
         return self._variable_ids is not None
 
-    @property
-    def weight_sum(self):
-        """The sum of the weights accumulated in the current window."""
-        return self._weight_sum
+    def add_window_end_listener(self, listener):
+        """Has `listener` hear of every window's end.
+
+        Args:
+            listener: has `window_end(strategy, applied)`, called in
+                cross-replica context (`applied`: whether the update was
+                applied), and `reset()`, called on every replica after it.
+        """
+        self._listeners.append(listener)
 
     def build(self, variables):
         """Creates one buffer per variable; a no-op for the same variables.
-
-        Values restored before the buffers existed (see `restore`) are
-        assigned as the buffers are created.
 
         Args:
             variables: list of the (trainable) variables to accumulate for.
@@ -219,100 +181,72 @@ class GradientAccumulator(tf.Module):
             return
         with tf.init_scope():
             if self.built and tf.executing_eagerly():
-                if int(self.micro_step.numpy()) > 0:
+                pending = int(self.micro_step.numpy())
+                if pending:
                     raise ValueError(
                         "The trainable variables changed while a window of "
-                        f"{int(self.micro_step.numpy())} micro-batches is "
-                        "pending. Call `flush()` first so that no gradients "
-                        "are lost."
+                        f"{pending} micro-batches is pending. Call `flush()` "
+                        "first so that no gradients are lost."
                     )
-            dtypes = [_buffer_dtype(v) for v in variables]
-            weight_dtype = (
-                tf.float64 if tf.float64 in dtypes else tf.float32
-            )
-            if self._weight_sum is None or weight_dtype != self._weight_dtype:
-                self._weight_dtype = weight_dtype
-                self._weight_sum = _state_variable(
-                    tf.zeros((), weight_dtype),
-                    weight_dtype,
-                    "weight_sum",
+            dtypes = [accumulation_dtype(v.dtype) for v in variables]
+            dtype = tf.float64 if tf.float64 in dtypes else tf.float32
+            if self._normalizer_sum is None or dtype != self._normalizer_dtype:
+                self._normalizer_dtype = dtype
+                self._normalizer_sum = state_variable(
+                    tf.zeros((), dtype),
+                    "normalizer_sum",
                     tf.VariableAggregation.SUM,
                 )
             if self._buffers:
-                # Other variables: a new list (appending to the tracked one
-                # keeps `tf.train.Checkpoint`'s deferred restoration).
+                # Other variables. (The first build appends to the tracked
+                # list: `tf.train.Checkpoint` restores into it later.)
                 self._buffers = []
             if self.gradient_accumulation_steps > 1:
-                for v, dtype in zip(variables, dtypes):
-                    self._buffers.append(
-                        _state_variable(
-                            tf.zeros(v.shape, dtype),
-                            dtype,
-                            "accumulated_" + _short_name(v),
-                            tf.VariableAggregation.SUM,
-                        )
-                    )
+                self._buffers.extend(map(_buffer, variables, dtypes))
         self._variable_ids = ids
-        self._grad_is_none = None
+        self._gradient_is_none = None
         if self._pending_state:
             self.restore(self._pending_state)
 
     def state(self):
-        """The window's state variables, by name (those created so far).
+        """The window's state variables by name (those created so far).
 
         Returns:
-            dict from name to `tf.Variable`: `micro_step`, `accumulated`,
-            `weight_sum`, `skipped_windows`, `dropped_micro_batches` and
-            `buffer_<i>`, one per variable.
+            dict from name to `tf.Variable`: the counters, `normalizer_sum`
+            and `buffer_<i>`, one per variable.
         """
         state = {
             "micro_step": self.micro_step,
-            "accumulated": self.accumulated,
+            "added_micro_batches": self.added_micro_batches,
             "skipped_windows": self.skipped_windows,
             "dropped_micro_batches": self.dropped_micro_batches,
         }
-        if self._weight_sum is not None:
-            state["weight_sum"] = self._weight_sum
+        if self._normalizer_sum is not None:
+            state["normalizer_sum"] = self._normalizer_sum
         for i, buffer in enumerate(self._buffers):
             state[f"buffer_{i}"] = buffer
         return state
 
     def restore(self, values):
-        """Assigns saved state; what does not exist yet is kept for `build`.
+        """Assigns saved state; what does not exist yet waits for `build()`.
 
         Args:
             values: dict from a `state()` name to a list of values, one per
-                replica (one without a strategy).
+                replica.
 
         Raises:
             ValueError: if a saved buffer does not fit its variable.
         """
-        state = self.state()
-        pending = {}
-        for name, per_replica in values.items():
-            variable = state.get(name)
-            if variable is None:
-                pending[name] = per_replica
-                continue
-            if tuple(variable.shape) != tuple(np.shape(per_replica[0])):
-                raise ValueError(
-                    f"The saved accumulation state `{name}` has shape "
-                    f"{np.shape(per_replica[0])}, but the model's is "
-                    f"{tuple(variable.shape)}: the model differs from the "
-                    "one that was saved."
-                )
-            assign_per_replica(variable, per_replica)
-        object.__setattr__(self, "_pending_state", pending)
+        object.__setattr__(
+            self, "_pending_state", assign_state(self.state(), values)
+        )
 
-    # ------------------------------------------------------------------
-    # Public step API
-    # ------------------------------------------------------------------
     def accumulate_and_maybe_apply(
         self,
         gradients,
         optimizer,
         variables,
-        weight=1.0,
+        normalizer=1.0,
         *,
         gradient_scale=1.0,
     ):
@@ -325,12 +259,12 @@ class GradientAccumulator(tf.Module):
             optimizer: the `keras.optimizers.Optimizer` (a
                 `LossScaleOptimizer` is detected and handled).
             variables: list of the variables the gradients belong to.
-            weight: scalar, the normaliser of the micro-batch's mean loss
-                (e.g. its number of samples), or `None` if the loss is a sum.
+            normalizer: scalar, the `D` the micro-batch's mean loss was
+                divided by (e.g. its number of samples), or `None` if the
+                loss is a sum.
             gradient_scale: scalar, a factor the loss was divided by beyond
                 its normaliser (Keras divides each replica's loss by the
-                number of replicas under `tf.distribute`); the gradients are
-                multiplied back by it.
+                number of replicas); the gradients are multiplied back by it.
 
         Returns:
             A boolean tensor: whether an optimizer update was applied.
@@ -347,35 +281,25 @@ class GradientAccumulator(tf.Module):
         if not optimizer.built:
             # Loss scaling state is read before the first update.
             optimizer.build(variables)
-        self._grad_is_none = [g is None for g in gradients]
+        self._gradient_is_none = [g is None for g in gradients]
+        policy = self._resolve_policy(optimizer)
         # Nothing below runs before the gradients exist: a step whose input
         # ran out (Keras' end-of-data call) changes no state.
         with tf.control_dependencies(_tensors(gradients)):
-            return self._add_micro_batch(
-                gradients, optimizer, variables, weight, gradient_scale
-            )
-
-    def _add_micro_batch(
-        self, gradients, optimizer, variables, weight, gradient_scale
-    ):
-        policy = self._resolve_policy(optimizer)
-        scale = self._loss_scale(optimizer)
-        if scale is not None:
-            gradients = [
-                None if g is None else _scale(g, 1.0 / scale) for g in gradients
-            ]
-        if self.gradient_accumulation_steps == 1:
-            finite = self._all_finite(gradients, policy)
-            applied = self._finish_window(
-                optimizer, variables, lambda: gradients, finite, policy
-            )
-            self.update_applied.assign(applied)
-        else:
+            if is_loss_scale_optimizer(optimizer):
+                unscale = 1.0 / tf.cast(optimizer.dynamic_scale, tf.float32)
+                gradients = [
+                    None if g is None else _scale(g, unscale) for g in gradients
+                ]
+            if self.gradient_accumulation_steps == 1:
+                return _apply_directly(
+                    self, gradients, optimizer, variables, policy
+                )
             self._accumulate(
-                gradients, weight, gradient_scale, optimizer, policy
+                gradients, normalizer, gradient_scale, optimizer, policy
             )
-            applied = self._maybe_finish(optimizer, variables, policy)
-        return applied
+            ready = self.micro_step >= self.gradient_accumulation_steps
+            return self._end_window(optimizer, variables, policy, ready)
 
     def flush(self, optimizer, variables):
         """Applies a partially filled window, if any; a no-op otherwise.
@@ -390,377 +314,246 @@ class GradientAccumulator(tf.Module):
         if not self.built or self.gradient_accumulation_steps == 1:
             return tf.constant(False)
         policy = self._resolve_policy(optimizer)
-        return self._maybe_finish(
-            optimizer, list(variables), policy, partial=True
+        return self._end_window(
+            optimizer, list(variables), policy, self.micro_step > 0
         )
 
     def reset(self):
-        """Discards the pending window (weight sum, counters, buffers).
+        """Discards the pending window (normaliser sum and counters).
 
-        The buffers are not written here: while `accumulated` is 0 their
-        content is stale, and the next window's first accumulated
-        micro-batch overwrites them instead of adding to them. That saves
-        a pass over every buffer per window and keeps the buffers out of
-        the window-end branch (see `run_if`).
+        The buffers are not written: while `added_micro_batches` is 0 they
+        are stale, and the window's first added micro-batch overwrites them.
         """
-        if self._weight_sum is not None:
-            self._weight_sum.assign(tf.zeros_like(self._weight_sum))
+        self._normalizer_sum.assign(tf.zeros_like(self._normalizer_sum))
         self.micro_step.assign(0)
-        self.accumulated.assign(0)
+        self.added_micro_batches.assign(0)
+        for listener in self._listeners:
+            listener.reset()
 
-    # ------------------------------------------------------------------
-    # Internals
-    # ------------------------------------------------------------------
     def _resolve_policy(self, optimizer):
-        return self.resolve_policy(is_loss_scale_optimizer(optimizer))
+        return resolve_policy(
+            self.non_finite_policy, is_loss_scale_optimizer(optimizer)
+        )
 
-    def resolve_policy(self, loss_scaled):
-        """The non-finite policy in force; `"auto"` resolved.
-
-        Args:
-            loss_scaled: bool, whether the optimizer scales the loss.
-
-        Returns:
-            str, `"skip_window"`, `"drop_micro_batch"` or `"propagate"`.
-
-        Raises:
-            ValueError: for `"propagate"` with loss scaling.
-        """
-        if self.non_finite_policy == "auto":
-            return "skip_window" if loss_scaled else "propagate"
-        if loss_scaled and self.non_finite_policy == "propagate":
-            raise ValueError(
-                "`non_finite_policy='propagate'` cannot be used with a "
-                "`LossScaleOptimizer`: an overflow must not reach the "
-                "weights. Use 'skip_window' or 'drop_micro_batch'."
-            )
-        return self.non_finite_policy
-
-    @staticmethod
-    def _loss_scale(optimizer):
-        if is_loss_scale_optimizer(optimizer):
-            return tf.cast(optimizer.dynamic_scale, tf.float32)
-        return None
-
-    @staticmethod
-    def _all_finite(gradients, policy):
-        if policy == "propagate":
-            return None
-        checks = [
-            tf.reduce_all(
-                tf.math.is_finite(
-                    g.values if isinstance(g, tf.IndexedSlices) else g
-                )
-            )
-            for g in gradients
-            if g is not None
-        ]
-        return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
-
-    def _accumulate(self, gradients, weight, gradient_scale, optimizer, policy):
-        gradient_scale = tf.cast(gradient_scale, self._weight_dtype)
-        if weight is None:
-            coefficient = gradient_scale
-            weight_increment = tf.zeros((), self._weight_dtype)
+    def _accumulate(self, gradients, normalizer, gradient_scale, optimizer, policy):
+        dtype = self._normalizer_dtype
+        factor = tf.cast(gradient_scale, dtype)
+        if normalizer is None:
+            normalizer = tf.zeros((), dtype)
         else:
-            weight = tf.cast(weight, self._weight_dtype)
-            coefficient = weight * gradient_scale
-            weight_increment = weight
+            normalizer = tf.cast(normalizer, dtype)
+            factor = normalizer * factor
 
         def add():
-            # The window's first added micro-batch replaces the stale
-            # buffers (see `reset`) instead of adding to them. Under XLA a
-            # select that fuses with the addition does it; otherwise a
-            # `tf.cond` writes `c * g` (first) or adds it in place (later).
-            # Dense buffers are never zero-filled: Grappler can fold such a
-            # tensor, the size of each buffer, into a constant of the graph.
-            first = tf.equal(self.accumulated.read_value(), 0)
-            pairs = [
-                (buffer, g)
-                for buffer, g in zip(self._buffers, gradients)
-                if g is not None
-            ]
-            # Buffer dtype -> the coefficient in it, cast once per dtype.
-            factors = {
-                dtype: tf.cast(coefficient, dtype)
-                for dtype in dict.fromkeys(buffer.dtype for buffer, _ in pairs)
-            }
-            if _in_xla_context():
-                sparse = [
-                    buffer
-                    for buffer, g in pairs
-                    if isinstance(g, tf.IndexedSlices)
-                ]
-                if sparse:
-                    run_if(first, functools.partial(_zero, sparse))
-                for buffer, g in pairs:
-                    c = factors[buffer.dtype]
-                    if isinstance(g, tf.IndexedSlices):
-                        _scatter_add_scaled(buffer, g, c)
-                    else:
-                        contribution = tf.cast(g, buffer.dtype) * c
-                        buffer.assign(
-                            tf.where(
-                                first, contribution, buffer + contribution
-                            )
-                        )
-            else:
-                tf.cond(
-                    first,
-                    functools.partial(_write_scaled, pairs, factors),
-                    functools.partial(_add_scaled, pairs, factors),
-                )
-            self._weight_sum.assign_add(weight_increment)
-            self.accumulated.assign_add(1)
+            first = tf.equal(self.added_micro_batches, 0)
+            _add_to_buffers(self._buffers, gradients, factor, first)
+            self._normalizer_sum.assign_add(normalizer)
+            self.added_micro_batches.assign_add(1)
             return tf.constant(True)
 
-        finite = self._all_finite(gradients, policy)
+        finite = _all_finite(gradients, policy)
         if finite is None:
             add()
         else:
 
             def drop():
-                self.dropped_micro_batches.assign_add(
-                    1 if policy == "drop_micro_batch" else 0
-                )
-                if (
-                    policy == "drop_micro_batch"
-                    and is_loss_scale_optimizer(optimizer)
-                    and not in_strategy_replica_context()
-                ):
-                    _shrink_loss_scale(optimizer)
+                if policy == "drop_micro_batch":
+                    self.dropped_micro_batches.assign_add(1)
+                    if is_loss_scale_optimizer(optimizer) and not (
+                        in_replica_context()
+                    ):
+                        # Several replicas halve it once at the window's end.
+                        _shrink_loss_scale(optimizer)
                 return tf.constant(False)
 
             tf.cond(finite, add, drop)
         self.micro_step.assign_add(1)
 
-    def _divisor(self, weight_sum):
-        """The window's normaliser; 1 for a window of sums (or of nothing)."""
-        return tf.where(weight_sum > 0, weight_sum, tf.ones_like(weight_sum))
+    def _end_window(self, optimizer, variables, policy, ready):
+        """The one place where a window ends, for one replica or several.
 
-    def _window_grads(self, weight_sum=None):
-        """The buffers divided by the window's normaliser.
-
-        Args:
-            weight_sum: the normaliser of a window over several replicas;
-                then a replica that added nothing this window (all its
-                micro-batches were dropped) contributes zeros, not its
-                stale buffers. By default this replica's own weight sum (a
-                window that is applied has added something).
+        If `ready`, in cross-replica context (`merge_call`; without a
+        strategy, the default one's): the decision (finite on every replica)
+        and the normaliser are global, the update is applied or skipped, the
+        listeners hear of it, and every replica resets its window.
         """
-        if weight_sum is None:
-            grads = self._buffers
-            weight_sum = self._weight_sum
-        else:
-            added = self.accumulated > 0
-            grads = [tf.where(added, b, tf.zeros_like(b)) for b in self._buffers]
-        divisor = self._divisor(weight_sum)
-        return [
-            None if is_none else g / tf.cast(divisor, g.dtype)
-            for g, is_none in zip(grads, self._grad_is_none)
-        ]
-
-    def _window_ok(self, policy):
-        """Whether the window may be applied; `None`: always (no branch)."""
-        if policy == "propagate":
-            return None
-        if policy == "skip_window":
-            return tf.equal(self.accumulated, self.micro_step)
-        return self.accumulated > 0
-
-    def _maybe_finish(self, optimizer, variables, policy, partial=False):
-        if partial:
-            ready = self.micro_step > 0
-        else:
-            ready = self.micro_step >= self.gradient_accumulation_steps
-        if in_strategy_replica_context():
-            return self._maybe_finish_distributed(
-                optimizer, variables, policy, ready
-            )
-
-        def finish():
-            applied = self._finish_window(
-                optimizer,
-                variables,
-                self._window_grads,
-                self._window_ok(policy),
-                policy,
-            )
-            self.reset()
-            return applied
-
-        applied = run_if(ready, finish)
-        self.update_applied.assign(applied)
-        return applied
-
-    def _finish_window(self, optimizer, variables, grads_fn, ok, policy):
-        """Applies `grads_fn()` if `ok`, else skips; handles loss scaling."""
         lso = is_loss_scale_optimizer(optimizer)
         target = optimizer.inner_optimizer if lso else optimizer
 
-        def apply():
-            target.apply(grads_fn(), variables)
-            if lso:
-                _grow_loss_scale(optimizer)
-            return tf.constant(True)
-
-        def skip():
-            self.skipped_windows.assign_add(1)
-            if lso and policy == "skip_window":
-                _shrink_loss_scale(optimizer)
-            return tf.constant(False)
-
-        if ok is None:
-            applied = apply()
-        else:
-            applied = tf.cond(ok, apply, skip)
-        return applied
-
-    def _maybe_finish_distributed(self, optimizer, variables, policy, ready):
-        """The window's end under several replicas.
-
-        The decision (window complete, finite on every replica) and the
-        window's normaliser are global. The `tf.cond` runs in cross-replica
-        context because the optimizer's update calls `merge_call`. Per
-        update there are two reductions: the optimizer's all-reduce of the
-        gradients and one of three scalars (micro-batches seen, accumulated,
-        weight sum); none on the other micro-steps.
-        """
-        context = tf.distribute.get_replica_context()
-        lso = is_loss_scale_optimizer(optimizer)
-        target = optimizer.inner_optimizer if lso else optimizer
-
-        def replica_apply(weight_sum):
-            # Each replica holds its own weighted sum; the optimizer's SUM
-            # all-reduce turns them into the global one.
-            target.apply(self._window_grads(weight_sum), variables)
-
-        def cross_replica(distribution, ready, counts):
-            ready = distribution.experimental_local_results(ready)[0]
+        def end(strategy, ready):
+            several = strategy.num_replicas_in_sync > 1
+            ready = strategy.experimental_local_results(ready)[0]
 
             def finish():
-                totals = distribution.reduce(
-                    tf.distribute.ReduceOp.SUM, counts, axis=None
-                )
-                steps, accumulated, weight_sum = tf.unstack(totals)
-                if policy == "propagate":
-                    ok = None
-                elif policy == "skip_window":
-                    ok = tf.equal(accumulated, steps)
+                if several:
+                    # Micro-batches seen, added, and the normaliser: summed
+                    # over the replicas in one reduction.
+                    counts = strategy.extended.call_for_each_replica(
+                        self._window_counts
+                    )
+                    steps, added, normalizer = tf.unstack(
+                        strategy.reduce(
+                            tf.distribute.ReduceOp.SUM, counts, axis=None
+                        )
+                    )
+                    normalizer = tf.cast(normalizer, self._normalizer_dtype)
                 else:
-                    ok = accumulated > 0
-                weight_sum = tf.cast(weight_sum, self._weight_dtype)
+                    steps, added = self.micro_step, self.added_micro_batches
+                    normalizer = self._normalizer_sum
 
                 def apply():
-                    distribution.extended.call_for_each_replica(
-                        replica_apply, args=(weight_sum,)
+                    strategy.extended.call_for_each_replica(
+                        lambda: target.apply(
+                            _window_gradients(self, normalizer, several),
+                            variables,
+                        )
                     )
                     if lso:
                         _grow_loss_scale(optimizer)
                     return tf.constant(True)
 
                 def skip():
+                    strategy.extended.call_for_each_replica(
+                        self.skipped_windows.assign_add, args=(1,)
+                    )
                     if lso and policy == "skip_window":
                         _shrink_loss_scale(optimizer)
                     return tf.constant(False)
 
-                if lso and policy == "drop_micro_batch":
-                    # Replicas cannot update the shared scale themselves:
-                    # halve it once for a window that dropped anything.
-                    def shrink():
-                        _shrink_loss_scale(optimizer)
-                        return tf.constant(True)
-
-                    tf.cond(
-                        accumulated < steps, shrink, lambda: tf.constant(False)
+                if lso and policy == "drop_micro_batch" and several:
+                    # Halve the shared scale once for a window that dropped.
+                    run_if(added < steps, functools.partial(
+                        _shrink_loss_scale, optimizer
+                    ))
+                if policy == "propagate":
+                    applied = apply()
+                else:
+                    ok = tf.equal(added, steps) if policy == "skip_window" else (
+                        added > 0
                     )
-                if ok is None:
-                    return apply()
-                return tf.cond(ok, apply, skip)
+                    applied = tf.cond(ok, apply, skip)
+                for listener in self._listeners:
+                    listener.window_end(strategy, applied)
+                strategy.extended.call_for_each_replica(self.reset)
+                return applied
 
-            return tf.cond(ready, finish, lambda: tf.constant(False))
+            return run_if(ready, finish)
 
-        counts = tf.stack(
-            [
-                tf.cast(self.micro_step, tf.float64),
-                tf.cast(self.accumulated, tf.float64),
-                tf.cast(self._weight_sum, tf.float64),
-            ]
-        )
-        applied = context.merge_call(cross_replica, args=(ready, counts))
-
-        def reset_local():
-            self.reset()
-            return tf.constant(True)
-
-        tf.cond(ready, reset_local, lambda: tf.constant(False))
-        skipped = tf.logical_and(ready, tf.logical_not(applied))
-        self.skipped_windows.assign_add(tf.cast(skipped, tf.int64))
+        context = tf.distribute.get_replica_context()
+        applied = context.merge_call(end, args=(ready,))
         self.update_applied.assign(applied)
         return applied
 
+    def _window_counts(self):
+        counts = (self.micro_step, self.added_micro_batches, self._normalizer_sum)
+        return tf.stack([tf.cast(c, tf.float64) for c in counts])
 
-def run_if(pred, fn):
-    """Returns `fn()` (a boolean tensor) if `pred`, else `False`.
 
-    A `tf.cond`, except when XLA compiles for the CPU: there it is a loop
-    that runs zero times or once. XLA gives a conditional a fresh output
-    buffer for every variable one of its branches writes, so the branch that
-    does nothing copies each variable, optimizer slot and accumulation
-    buffer, on every micro-batch (and a conditional whose branches hold only
-    elementwise ops is turned into a select that runs the update every
-    time). A loop's state is updated in place: the micro-batches between
-    updates copy nothing. On a GPU the `tf.cond` is kept: XLA reads a
-    conditional's predicate, and a loop's condition, back to the host, a
-    synchronisation per micro-batch that is expected (not yet measured) to
-    cost more than the elementwise select it avoids.
+
+def _window_gradients(accumulator, normalizer, several):
+    """The buffers divided by the window's normaliser (1 for sums).
+
+    With several replicas, one that added nothing this window (all its
+    micro-batches dropped) contributes zeros, not its stale buffers.
     """
-    if _xla_on_cpu():
+    buffers = accumulator._buffers
+    if several:
+        added = accumulator.added_micro_batches > 0
+        buffers = [tf.where(added, b, tf.zeros_like(b)) for b in buffers]
+    divisor = tf.where(normalizer > 0, normalizer, tf.ones_like(normalizer))
+    return [
+        None if is_none else b / tf.cast(divisor, b.dtype)
+        for b, is_none in zip(buffers, accumulator._gradient_is_none)
+    ]
 
-        def body(count, _):
-            return count + 1, fn()
 
-        _, result = tf.while_loop(
-            lambda count, _: count < tf.cast(pred, tf.int32),
-            body,
-            (tf.constant(0), tf.constant(False)),
+def _buffer(variable, dtype):
+    """A per-replica buffer for `variable`'s gradients."""
+    name = getattr(variable, "path", None) or variable.name
+    return state_variable(
+        tf.zeros(variable.shape, dtype),
+        "buffer_" + name.replace("/", "_").replace(":", "_"),
+        tf.VariableAggregation.SUM,
+    )
+
+
+def _apply_directly(accumulator, gradients, optimizer, variables, policy):
+    """`gradient_accumulation_steps=1`: the step's gradients, no buffer."""
+    lso = is_loss_scale_optimizer(optimizer)
+    target = optimizer.inner_optimizer if lso else optimizer
+
+    def apply():
+        target.apply(gradients, variables)
+        if lso:
+            _grow_loss_scale(optimizer)
+        return tf.constant(True)
+
+    finite = _all_finite(gradients, policy)
+    if finite is None:
+        applied = apply()
+    else:
+
+        def skip():
+            accumulator.skipped_windows.assign_add(1)
+            if lso:
+                _shrink_loss_scale(optimizer)
+            return tf.constant(False)
+
+        applied = tf.cond(finite, apply, skip)
+    accumulator.update_applied.assign(applied)
+    return applied
+
+
+def _add_to_buffers(buffers, gradients, factor, first):
+    """`buffer += factor * g`; `buffer = factor * g` if `first`.
+
+    The window's first added micro-batch overwrites the stale buffers (see
+    `GradientAccumulator.reset`): a select fused into the addition under
+    XLA, else a `tf.cond` between writing and adding in place.
+    """
+    pairs = [(b, g) for b, g in zip(buffers, gradients) if g is not None]
+    # The factor cast once per buffer dtype, in a fixed order.
+    factors = {
+        dtype: tf.cast(factor, dtype)
+        for dtype in dict.fromkeys(buffer.dtype for buffer, _ in pairs)
+    }
+    if not in_xla_context():
+        tf.cond(
+            first,
+            functools.partial(_write_scaled, pairs, factors),
+            functools.partial(_add_scaled, pairs, factors),
         )
-        return result
-    return tf.cond(pred, fn, lambda: tf.constant(False))
+        return
+    sparse = [b for b, g in pairs if isinstance(g, tf.IndexedSlices)]
+    if sparse:
+        run_if(first, functools.partial(_zero, sparse))
+    for buffer, g in pairs:
+        c = factors[buffer.dtype]
+        if isinstance(g, tf.IndexedSlices):
+            _scatter_add_scaled(buffer, g, c)
+        else:
+            term = tf.cast(g, buffer.dtype) * c
+            buffer.assign(tf.where(first, term, buffer + term))
 
 
-def _xla_on_cpu():
-    """Whether the function being traced is compiled by XLA, with no GPU."""
-    return _in_xla_context() and not tf.config.list_logical_devices("GPU")
+def _all_finite(gradients, policy):
+    if policy == "propagate":
+        return None
+    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in _tensors(gradients)]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
-def _in_xla_context():
-    """Whether the function being traced is compiled by XLA."""
-    if tf.executing_eagerly():
-        return False
-    # `tf.function(jit_compile=True)` marks the graphs it traces with an XLA
-    # control-flow context; TensorFlow's own control flow reads it the same
-    # way. If that (internal) module ever moves, the plain graph forms are
-    # used, which are exact too.
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - depends on the TF version
-        return False
-    graph = tf.compat.v1.get_default_graph()
-    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+def _tensors(gradients):
+    """The dense tensors of `gradients` (`IndexedSlices` values)."""
+    return [
+        g.values if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+        if g is not None
+    ]
 
 
 def _write_scaled(pairs, factors):
-    """`buffer = factor * g` for each (buffer, g): a window's first addition.
-
-    Args:
-        pairs: list of (buffer variable, gradient), the gradient dense or
-            `tf.IndexedSlices`.
-        factors: dict from buffer dtype to the scalar factor in that dtype.
-
-    Returns:
-        `True`, as a tensor (a `tf.cond` branch).
-    """
+    """`buffer = factor * g` for each (buffer, g): a window's first addition."""
     for buffer, g in pairs:
         c = factors[buffer.dtype]
         if isinstance(g, tf.IndexedSlices):
@@ -772,20 +565,7 @@ def _write_scaled(pairs, factors):
 
 
 def _add_scaled(pairs, factors):
-    """`buffer += factor * g` for each (buffer, g), in place and in one pass.
-
-    `buffer.assign_add(g * factor)` would first write the product to a
-    temporary tensor the size of the buffer; the gradient descent kernel
-    (`buffer -= alpha * g`, with `alpha = -factor`) reads both operands once
-    and writes the buffer once.
-
-    Args:
-        pairs: as for `_write_scaled`.
-        factors: as for `_write_scaled`.
-
-    Returns:
-        `True`, as a tensor (a `tf.cond` branch).
-    """
+    """`buffer += factor * g` in place, in one pass (`buffer -= -factor * g`)."""
     alphas = {dtype: -c for dtype, c in factors.items()}
     for buffer, g in pairs:
         if isinstance(g, tf.IndexedSlices):
@@ -808,32 +588,6 @@ def _scatter_add_scaled(buffer, g, factor):
     )
 
 
-def _tensors(gradients):
-    """The dense tensors of `gradients` (for control dependencies)."""
-    return [
-        g.values if isinstance(g, tf.IndexedSlices) else g
-        for g in gradients
-        if g is not None
-    ]
-
-
-def assign_per_replica(variable, values):
-    """Assigns one value per replica (a plain variable takes the first)."""
-    components = getattr(variable, "values", None)
-    if isinstance(variable, tf.distribute.DistributedValues) and components:
-        for component, value in zip(components, values):
-            component.assign(value)
-    else:
-        variable.assign(values[0])
-
-
-def per_replica_values(variable):
-    """The numpy value of each replica's copy (one for a plain variable)."""
-    if isinstance(variable, tf.distribute.DistributedValues):
-        return [np.asarray(c.numpy()) for c in variable.values]
-    return [np.asarray(variable.numpy())]
-
-
 def _zero(variables):
     for variable in variables:
         variable.assign(tf.zeros_like(variable))
@@ -851,6 +605,7 @@ def _scale(g, factor):
 def _shrink_loss_scale(optimizer):
     optimizer.step_counter.assign(0)
     optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+    return tf.constant(True)
 
 
 def _grow_loss_scale(optimizer):
@@ -868,8 +623,3 @@ def _grow_loss_scale(optimizer):
         upscale,
         increment,
     )
-
-
-def _short_name(variable):
-    name = getattr(variable, "path", None) or getattr(variable, "name", "var")
-    return name.replace("/", "_").replace(":", "_")

@@ -1,16 +1,9 @@
-"""BatchNormalization moving statistics per accumulation window (TensorFlow).
+"""Per-window BatchNormalization moving statistics (TensorFlow backend).
 
-`keras.layers.BatchNormalization` updates its moving mean and variance on
-every training call. Under gradient accumulation a training call is one
-micro-batch, so the moving averages would advance N times per optimizer
-update, each time from the statistics of a small micro-batch. One big batch
-holding the same samples advances them once, from the statistics of all its
-samples. `WindowBatchNormStatistics` reproduces the big batch: it records the
-statistics of each micro-batch, combines them exactly over the window (and,
-under `tf.distribute`, over the replicas) and updates the moving statistics
-once, when the window's update is applied.
-
-This module is specific to the TensorFlow backend.
+Inside a `GradientAccumulationModel` the moving mean and variance of every
+trainable `keras.layers.BatchNormalization` move once per window, from the
+exact statistics of all the window's samples, as with one big batch. The
+mechanism and the distributed combination are in docs/design.md.
 """
 
 import contextlib
@@ -19,9 +12,11 @@ import threading
 import tensorflow as tf
 from keras import layers as keras_layers
 
-from keras_accum.accumulator import assign_per_replica
-from keras_accum.accumulator import in_strategy_replica_context
-from keras_accum.accumulator import run_if
+from keras_accum import _keras_compat as compat
+from keras_accum._tf_utils import accumulation_dtype
+from keras_accum._tf_utils import assign_state
+from keras_accum._tf_utils import current_graph
+from keras_accum._tf_utils import state_variable
 
 _BatchNormalization = keras_layers.BatchNormalization
 _MISSING = object()
@@ -44,7 +39,7 @@ def window_batch_norm_layers(model):
     """
     found = []
     seen = set()
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in compat.layers_of(model):
         if (
             id(layer) in seen
             or not isinstance(layer, _BatchNormalization)
@@ -58,30 +53,8 @@ def window_batch_norm_layers(model):
     return found
 
 
-def _statistics_dtype(variable):
-    # float64 variables keep float64; anything else is combined in float32.
-    if tf.as_dtype(variable.dtype) == tf.float64:
-        return tf.float64
-    return tf.float32
-
-
-def _local_variable(initial_value, name):
-    """A variable local to each replica (a plain one without a strategy).
-
-    Read and written in replica context only; `ONLY_FIRST_REPLICA` so that
-    an eager read outside a replica context is not a collective.
-    """
-    return tf.Variable(
-        initial_value,
-        trainable=False,
-        name=name,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    )
-
-
-class _Slot:
-    """One call of one layer: its place in a `_SlotGroup`'s flat vectors."""
+class _Call:
+    """One call of one layer: its place in a `_CallGroup`'s flat vectors."""
 
     def __init__(self, layer, index, size):
         self.layer = layer
@@ -89,62 +62,54 @@ class _Slot:
         self.size = size
 
 
-class _SlotGroup(tf.Module):
+class _CallGroup(tf.Module):
     """The window's running (count, mean, M2) of several calls, flattened.
 
-    Each channel of each call has one entry in three flat variables; a
-    call's count is repeated over its channels, so that all the window's
-    arithmetic is elementwise on one vector per group: a few ops per
-    micro-batch whatever the number of layers. Groups are created once, when
-    new calls are first seen (at `build()`, or while the train step is
-    traced), and never change shape. Under `tf.distribute` each replica
-    holds its own: the statistics of its share of the window's samples.
+    One entry per channel of each call in three flat per-replica variables
+    (a call's count repeated over its channels): a few elementwise ops per
+    micro-batch whatever the number of layers.
     """
 
     def __init__(self, keys, dtype, name):
         super().__init__(name=name)
         self.dtype = dtype
-        self.slots = []
-        for layer, index in keys:
-            size = layer.moving_mean.shape.num_elements()
-            self.slots.append(_Slot(layer, index, size))
-        self.sizes = [slot.size for slot in self.slots]
+        self.calls = [
+            _Call(layer, index, layer.moving_mean.shape.num_elements())
+            for layer, index in keys
+        ]
+        self.sizes = [call.size for call in self.calls]
         with tf.init_scope():
             zeros = tf.zeros((sum(self.sizes),), dtype)
-            self.count = _local_variable(zeros, name + "_count")
-            self.mean = _local_variable(zeros, name + "_mean")
-            self.m2 = _local_variable(zeros, name + "_m2")
+            self.count = state_variable(zeros, name + "_count")
+            self.mean = state_variable(zeros, name + "_mean")
+            self.m2 = state_variable(zeros, name + "_m2")
 
-    def flatten(self, calls):
-        """Flat (count, mean, variance) of one forward pass.
+    def flatten(self, recorded):
+        """Flat (count, mean, variance) of one forward pass, or `None`.
 
-        Args:
-            calls: dict from slot to its recorded (count, mean, variance);
-                a slot without a recorded call contributes a count of 0.
-
-        Returns:
-            Three flat tensors, or `None` if no slot of the group was called.
+        `recorded` maps a `_Call` to its (count, mean, variance); a call
+        not in it contributes a count of 0.
         """
-        if not any(slot in calls for slot in self.slots):
+        if not any(call in recorded for call in self.calls):
             return None
         counts, means, variances = [], [], []
-        for slot in self.slots:
-            if slot in calls:
-                count, mean, variance = calls[slot]
+        for call in self.calls:
+            if call in recorded:
+                count, mean, variance = recorded[call]
                 counts.append(count)
                 means.append(_flat(mean, self.dtype))
                 variances.append(_flat(variance, self.dtype))
             else:
-                zeros = tf.zeros([slot.size], self.dtype)
+                zeros = tf.zeros([call.size], self.dtype)
                 counts.append(tf.zeros((), tf.int64))
                 means.append(zeros)
                 variances.append(zeros)
         # One count per call, repeated over the call's channels.
-        slot_of_entry = [
+        call_of_entry = [
             i for i, size in enumerate(self.sizes) for _ in range(size)
         ]
         return (
-            tf.gather(tf.cast(tf.stack(counts), self.dtype), slot_of_entry),
+            tf.gather(tf.cast(tf.stack(counts), self.dtype), call_of_entry),
             _concat(means),
             _concat(variances),
         )
@@ -196,18 +161,18 @@ def _update_moving_statistics(statistics):
         (group, count > 0, mean, tf.math.divide_no_nan(m2, count))
         for group, count, mean, m2 in statistics
     ]
-    rounds = {}  # (call index, moving dtype) -> slots
+    rounds = {}  # (call index, moving dtype) -> calls
     for group, *_ in flat:
-        for slot in group.slots:
-            key = (slot.index, tf.as_dtype(slot.layer.moving_mean.dtype))
-            rounds.setdefault(key, []).append(slot)
-    split = None  # slot -> its parts of `flat`; made only when needed
-    for (_, dtype), slots in sorted(
+        for call in group.calls:
+            key = (call.index, tf.as_dtype(call.layer.moving_mean.dtype))
+            rounds.setdefault(key, []).append(call)
+    split = None  # call -> its parts of `flat`; made only when needed
+    for (_, dtype), calls in sorted(
         rounds.items(), key=lambda item: item[0][0]
     ):
         # Usually (each layer called once) a round is one whole group: its
         # flat vectors are used as they are.
-        whole = [entry for entry in flat if entry[0].slots == slots]
+        whole = [entry for entry in flat if entry[0].calls == calls]
         if whole:
             _, has, mean, variance = whole[0]
         else:
@@ -215,21 +180,21 @@ def _update_moving_statistics(statistics):
                 split = {}
                 for group, *vectors in flat:
                     parts = [tf.split(v, group.sizes) for v in vectors]
-                    for slot, *slot_parts in zip(group.slots, *parts):
-                        split[slot] = slot_parts
+                    for call, *call_parts in zip(group.calls, *parts):
+                        split[call] = call_parts
             has, mean, variance = (
-                _concat([split[slot][i] for slot in slots]) for i in range(3)
+                _concat([split[call][i] for call in calls]) for i in range(3)
             )
-        sizes = [slot.size for slot in slots]
+        sizes = [call.size for call in calls]
         momentum = tf.constant(
-            [m for slot in slots for m in [slot.layer.momentum] * slot.size],
+            [m for call in calls for m in [call.layer.momentum] * call.size],
             dtype,
         )
         rest = tf.constant(
             [
                 r
-                for slot in slots
-                for r in [1.0 - slot.layer.momentum] * slot.size
+                for call in calls
+                for r in [1.0 - call.layer.momentum] * call.size
             ],
             dtype,
         )
@@ -237,7 +202,7 @@ def _update_moving_statistics(statistics):
             ("moving_mean", mean),
             ("moving_variance", variance),
         ):
-            variables = [getattr(slot.layer, name) for slot in slots]
+            variables = [getattr(call.layer, name) for call in calls]
             moving = _concat(
                 [_flat(tf.convert_to_tensor(v), dtype) for v in variables]
             )
@@ -273,100 +238,50 @@ def _count(layer, inputs, mask):
     if mask is not None:
         return tf.reduce_sum(tf.cast(mask, tf.int64))
     rank = inputs.shape.rank
-    if rank is not None and len(layer._reduction_axes) == rank - 1:
+    axes = compat.reduction_axes(layer)
+    if rank is not None and len(axes) == rank - 1:
         channels = inputs.shape[layer.axis]
         if channels is not None:
             # Every axis but the channel axis is reduced over.
             return tf.size(inputs, out_type=tf.int64) // channels
     shape = tf.shape(inputs, out_type=tf.int64)
-    return tf.reduce_prod(tf.gather(shape, layer._reduction_axes))
+    return tf.reduce_prod(tf.gather(shape, axes))
 
 
 class WindowBatchNormStatistics(tf.Module):
     """Updates BatchNormalization moving statistics once per window.
 
-    Inside a `GradientAccumulationModel`, every trainable
-    `keras.layers.BatchNormalization` (nested sub-models included, with or
-    without `synchronized=True`) updates its `moving_mean` and
-    `moving_variance` once per accumulation window, from the exact statistics
-    of all the window's samples, as one big batch of `N * B` samples would:
+    Every trainable `keras.layers.BatchNormalization` of the model (nested
+    models included, `synchronized=True` too) updates its moving mean and
+    variance once per applied window, from the count, mean and variance of
+    all the window's samples (and replicas), combined exactly:
 
         moving = moving * momentum + window_statistic * (1 - momentum)
 
-    with the layer's own `momentum`. The window's count, mean and (biased,
-    as Keras uses) variance are combined across micro-batches with Chan et
-    al.'s parallel algorithm on `(count, mean, M2)`, never as a mean of
-    per-micro-batch variances. They are accumulated in float32 (float64 for
-    float64 moving statistics), in variables that are not model weights but
-    are saved with the pending window (`state()`, `restore()`); the moving
-    statistics remain ordinary layer weights.
-
-    What stays per micro-batch: the normalisation applied during training.
-    In the forward pass each micro-batch is normalised with its own mean and
-    variance, exactly as `keras.layers.BatchNormalization` does; statistics
-    over samples that are not in memory together cannot be computed before
-    the gradients are. With N=4 micro-batches of 8 samples, training is
-    "batch normalisation with batches of 8" with inference statistics of
-    batches of 32. With very small micro-batches (a few samples per
-    micro-batch) prefer `keras.layers.GroupNormalization`, whose statistics
-    do not depend on the batch at all.
-
-    Mechanism: during the forward pass of a micro-batch each layer's
-    `_moments()` is wrapped to record every call's count, mean and variance,
-    and the assignment Keras then makes to the moving statistics is not
-    made (safe for a non-finite micro-batch too; no `momentum=1` trick, as
-    `NaN * 0 = NaN`). When the window ends and its update was applied, the
-    moving statistics are updated once; a window skipped by the non-finite
-    policy leaves them unchanged. A micro-batch whose statistics are not
-    finite is not added to the window. A layer called several times per
-    forward pass gets one update per call, in call order, as with one big
-    batch. With a Keras mask the count is the number of unmasked values;
-    Keras divides by that count plus 1e-7, so masked statistics match the
-    big batch to about that relative tolerance.
-
-    Under `tf.distribute` (`MirroredStrategy`, `MultiWorkerMirroredStrategy`)
-    the statistics are those of the global window: all replicas, all
-    micro-batches. Each replica accumulates `(n_r, mean_r, M2_r)` of its own
-    samples, with no communication on any micro-step; when a window's update
-    has been applied they are combined in two all-reduces for all layers
-    together, then the moving statistics (mirrored) are updated once:
-
-        n      = sum_r n_r
-        mean   = sum_r n_r * mean_r / n                       (1st all-reduce)
-        M2     = sum_r (M2_r + n_r * (mean_r - mean)**2)      (2nd all-reduce)
-        variance = M2 / n
-
-    Every term of the second sum is non-negative, so nothing cancels (unlike
-    `sum(x**2) - n * mean**2`): exact to rounding in float64 and stable in
-    float32 whatever the ratio of mean to standard deviation. A skipped
-    window and the micro-steps that end no window make no reduction, nor
-    does a model without windowed BatchNormalization layers.
-    `synchronized=True` layers record their global micro-batch mean and
-    variance with the replica's local count, so the same combination gives
-    the global window without counting anything twice.
-
-    Not covered (Keras' per-call updates are kept): `renorm=True` layers
-    (their renormalisation statistics are a different update), subclasses
-    that override `call()`, calls traced inside a `tf.cond`/`tf.while_loop`
-    of the model's own `call()`, and `gradient_accumulation_steps=1`
-    (identical to Keras). Frozen layers (`trainable=False`) run in inference
-    mode and update nothing, as in Keras.
+    Training-time normalisation stays per micro-batch, as Keras does it. A
+    skipped window leaves the moving statistics unchanged. Not covered (the
+    per-call update of Keras is kept): `renorm=True`, subclasses that
+    override `call()`, calls inside the model's own `tf.cond` or loop, and
+    `gradient_accumulation_steps=1`. The window's statistics are saved with
+    the pending window (`state()`, `restore()`).
 
     Args:
         enabled: bool, whether to window the moving statistics. If `False`
-            every method is a no-op and Keras updates the moving statistics
-            on every micro-batch.
+            nothing is recorded and Keras updates them every micro-batch.
+
+    Raises:
+        ValueError: if `enabled` is not a bool.
 
     Example:
 
     ```python
-    stats = WindowBatchNormStatistics()
+    statistics = WindowBatchNormStatistics()
+    accumulator.add_window_end_listener(statistics)
     with tf.GradientTape() as tape:
-        with stats.record(model):
+        with statistics.record(model):
             y_pred = model(x, training=True)
         ...
     accumulator.accumulate_and_maybe_apply(...)
-    stats.end_step(accumulator)
     ```
     """
 
@@ -379,9 +294,9 @@ class WindowBatchNormStatistics(tf.Module):
         super().__init__(name="window_batch_norm")
         self.enabled = enabled
         # `_groups` is tracked (`tf.train.Checkpoint`); the bookkeeping is
-        # not: (id(layer), call index) -> _Slot, in creation order, ...
-        self._groups = []  # _SlotGroup, in creation order
-        object.__setattr__(self, "_slots", {})
+        # not: (id(layer), call index) -> _Call, in creation order, ...
+        self._groups = []  # _CallGroup, in creation order
+        object.__setattr__(self, "_calls_by_key", {})
         # ... `id(layer)` -> _LayerPatch, and values restored before their
         # group existed (see `restore`).
         object.__setattr__(self, "_patches", {})
@@ -392,9 +307,9 @@ class WindowBatchNormStatistics(tf.Module):
         self._lock = threading.Lock()
 
     @property
-    def slots(self):
+    def calls(self):
         """The per-(layer, call) accumulators created so far."""
-        return list(self._slots.values())
+        return list(self._calls_by_key.values())
 
     def build(self, model):
         """Creates the window's variables for one call of each layer.
@@ -408,7 +323,7 @@ class WindowBatchNormStatistics(tf.Module):
         """
         if not self.enabled or model.gradient_accumulation_steps == 1:
             return
-        self._ensure_slots(
+        self._ensure_calls(
             [
                 (layer, 0)
                 for layer in window_batch_norm_layers(model)
@@ -438,7 +353,7 @@ class WindowBatchNormStatistics(tf.Module):
         if not bn_layers:
             yield
             return
-        recording = _Recording(model, bn_layers)
+        recording = _ForwardRecording(model, bn_layers)
         previous = getattr(self._local, "recording", None)
         self._local.recording = recording
         self._patch(bn_layers)
@@ -454,9 +369,9 @@ class WindowBatchNormStatistics(tf.Module):
         ]
         if not recorded:
             return
-        self._ensure_slots([key for key, _ in recorded])
+        self._ensure_calls([key for key, _ in recorded])
         calls = {
-            self._slots[(id(layer), index)]: statistics
+            self._calls_by_key[(id(layer), index)]: statistics
             for (layer, index), statistics in recorded
         }
         flat = []
@@ -479,98 +394,39 @@ class WindowBatchNormStatistics(tf.Module):
                 *[tf.where(finite, v, tf.zeros_like(v)) for v in values]
             )
 
-    def end_step(self, accumulator):
-        """Ends the window if the train step just ended one.
+    def window_end(self, strategy, applied):
+        """Updates the moving statistics once if the window was applied.
 
-        Call after `accumulator.accumulate_and_maybe_apply(...)`: a window
-        ended when `accumulator.micro_step == 0`.
-
-        Args:
-            accumulator: the `GradientAccumulator`.
-        """
-        if not self._groups:
-            return
-        self.end_window(
-            accumulator.update_applied.read_value(),
-            window_ended=tf.equal(accumulator.micro_step.read_value(), 0),
-        )
-
-    def end_window(self, applied, window_ended=True):
-        """Updates the moving statistics once if applied, then resets.
-
-        Under several replicas call it in replica context, on every replica
-        (as the train step does); `applied` and `window_ended` must be the
-        same on all replicas.
+        Called by the accumulator in cross-replica context when a window
+        ends (see `GradientAccumulator.add_window_end_listener`).
 
         Args:
-            applied: bool tensor, whether the window's update was applied;
-                if not (a skipped window) the moving statistics are kept.
-            window_ended: bool tensor, whether a window ended at all.
+            strategy: the `tf.distribute.Strategy` (the default one without
+                a strategy).
+            applied: bool tensor, whether the window's update was applied.
         """
         groups = list(self._groups)
         if not groups:
             return
-        if in_strategy_replica_context():
-            self._end_window_distributed(groups, applied, window_ended)
-            return
 
         def update():
-            _update_moving_statistics(
-                [(group,) + group.read() for group in groups]
-            )
+            if strategy.num_replicas_in_sync > 1:
+                _update_from_replicas(strategy, groups)
+            else:
+                _update_moving_statistics(
+                    [(group,) + group.read() for group in groups]
+                )
             return tf.constant(True)
 
-        def finish():
-            tf.cond(applied, update, lambda: tf.constant(False))
-            for group in groups:
-                group.reset()
-            return tf.constant(True)
+        tf.cond(applied, update, lambda: tf.constant(False))
 
-        if window_ended is True:
-            finish()
-        else:
-            run_if(window_ended, finish)
-
-    def _end_window_distributed(self, groups, applied, window_ended):
-        """The window's end under several replicas.
-
-        The moving statistics are mirrored: they are updated in
-        cross-replica context (`merge_call`), inside a `tf.cond` there, as
-        the optimizer's update is. The reductions run only in the branch of
-        a window whose update was applied, in the same order on every
-        worker.
-        """
-        context = tf.distribute.get_replica_context()
-        window_ended = tf.convert_to_tensor(window_ended, tf.bool)
-        applied = tf.convert_to_tensor(applied, tf.bool)
-
-        def cross_replica(distribution, window_ended, applied):
-            window_ended = distribution.experimental_local_results(
-                window_ended
-            )[0]
-            applied = distribution.experimental_local_results(applied)[0]
-
-            def update():
-                _update_from_replicas(distribution, groups)
-                return tf.constant(True)
-
-            return tf.cond(
-                tf.logical_and(window_ended, applied),
-                update,
-                lambda: tf.constant(False),
-            )
-
-        context.merge_call(cross_replica, args=(window_ended, applied))
-
-        def reset_local():
-            for group in groups:
-                group.reset()
-            return tf.constant(True)
-
-        tf.cond(window_ended, reset_local, lambda: tf.constant(False))
+    def reset(self):
+        """Discards this replica's statistics of the window."""
+        for group in self._groups:
+            group.reset()
 
     def state(self):
-        """The window's statistics variables, by name (groups created so far).
+        """The window's statistics variables by name (groups created so far).
 
         Returns:
             dict from name (`group_<g>_count`, `_mean`, `_m2`) to variable.
@@ -588,23 +444,11 @@ class WindowBatchNormStatistics(tf.Module):
             values: dict from a `state()` name to a list of values, one per
                 replica.
         """
-        state = self.state()
-        self._pending_state.clear()
-        for name, per_replica in values.items():
-            variable = state.get(name)
-            if variable is None:
-                self._pending_state[name] = per_replica
-            elif tuple(variable.shape) == tuple(per_replica[0].shape):
-                assign_per_replica(variable, per_replica)
-            else:
-                raise ValueError(
-                    f"The saved BatchNormalization window statistics "
-                    f"`{name}` have shape {per_replica[0].shape}, but the "
-                    f"model's have {tuple(variable.shape)}: the model "
-                    "differs from the one that was saved."
-                )
+        object.__setattr__(
+            self, "_pending_state", assign_state(self.state(), values)
+        )
 
-    def _ensure_slots(self, keys):
+    def _ensure_calls(self, keys):
         """Creates one group for the (layer, call index) pairs not yet held.
 
         Under `MirroredStrategy` the replicas trace in threads of their own;
@@ -613,22 +457,22 @@ class WindowBatchNormStatistics(tf.Module):
         with self._lock:
             missing = []
             for layer, index in keys:
-                slot = self._slots.get((id(layer), index))
-                if slot is None or slot.layer is not layer:
+                call = self._calls_by_key.get((id(layer), index))
+                if call is None or call.layer is not layer:
                     missing.append((layer, index))
             by_dtype = {}
             for layer, index in missing:
-                dtype = _statistics_dtype(layer.moving_mean)
+                dtype = accumulation_dtype(layer.moving_mean.dtype)
                 by_dtype.setdefault(dtype, []).append((layer, index))
             for dtype, group_keys in by_dtype.items():
-                group = _SlotGroup(
+                group = _CallGroup(
                     group_keys, dtype, f"window_batch_norm_{len(self._groups)}"
                 )
                 self._groups.append(group)
-                for slot in group.slots:
-                    self._slots[(id(slot.layer), slot.index)] = slot
+                for call in group.calls:
+                    self._calls_by_key[(id(call.layer), call.index)] = call
             if missing and self._pending_state:
-                self.restore(dict(self._pending_state))
+                self.restore(self._pending_state)
 
     # ------------------------------------------------------------------
     # Patches of the layers, while forward passes are recorded
@@ -694,7 +538,7 @@ class WindowBatchNormStatistics(tf.Module):
             if (
                 recording is not None
                 and recording.suppress.get(id(layer))
-                and _current_graph() is recording.graph
+                and current_graph() is recording.graph
             ):
                 return value
             return original(value, *args, **kwargs)
@@ -702,12 +546,12 @@ class WindowBatchNormStatistics(tf.Module):
         return assign
 
 
-class _Recording:
+class _ForwardRecording:
     """What one forward pass (in one thread) has recorded."""
 
     def __init__(self, model, layers):
         self.model = model
-        self.graph = _current_graph()
+        self.graph = current_graph()
         self.calls = {id(layer): [] for layer in layers}
         # Whether the layer's latest `_moments` call was recorded (then its
         # following assignments to the moving statistics are not made).
@@ -715,7 +559,7 @@ class _Recording:
         self._has_trainable_weights = None
 
     def wants(self, layer, inputs):
-        if not tf.is_tensor(inputs) or _current_graph() is not self.graph:
+        if not tf.is_tensor(inputs) or current_graph() is not self.graph:
             return False
         if id(layer) not in self.calls:
             return False
@@ -827,10 +671,3 @@ def _update_from_replicas(distribution, groups):
             )
         )
     )
-
-
-def _current_graph():
-    """The graph being built, or `None` when executing eagerly."""
-    if tf.executing_eagerly():
-        return None
-    return tf.compat.v1.get_default_graph()

@@ -7,6 +7,8 @@ import time
 
 import keras
 
+from keras_accum import _keras_compat as compat
+
 _LATEST = "latest"
 
 
@@ -91,7 +93,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_backup = 0
         if position:
             # `fit()` reads this right after `on_train_begin`.
-            self.model._initial_epoch = self._epoch
+            compat.set_initial_epoch(self.model, self._epoch)
             self.model._batches_to_skip = self._resume_at
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -113,7 +115,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._backup(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
-        self.model._initial_epoch = None
+        compat.set_initial_epoch(self.model, None)
         self.model._batches_to_skip = 0
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir)

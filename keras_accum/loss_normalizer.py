@@ -17,13 +17,15 @@ in Keras, so what the model logs and differentiates is unchanged.
 
 import contextlib
 import threading
+import warnings
 
+import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.backend import name_scope
-from keras.src import backend
-from keras.src import tree
-from keras.src.losses import loss as keras_loss_module
+from keras import tree
+
+from keras_accum import _keras_compat as compat
+from keras_accum._keras_compat import loss_module as keras_loss_module
 
 _state = threading.local()
 
@@ -46,16 +48,39 @@ class LossTerm:
         self.data_dependent = data_dependent
 
 
-class _Recording:
+class _LossRecording:
     def __init__(self):
         self.terms = []
         self.unknown_terms = 0
+
+    def normalizer(self, batch_size):
+        """The micro-batch's normaliser `D` (`None` for a sum).
+
+        With several terms whose normalisers differ, `batch_size`, with a
+        warning (exact only if every term is a per-sample mean).
+        """
+        terms = self.terms
+        if len(terms) == 1 and self.unknown_terms == 0:
+            return terms[0].normalizer
+        if self.unknown_terms or any(
+            t.data_dependent or t.normalizer is None for t in terms
+        ):
+            warnings.warn(
+                "GradientAccumulationModel: the model's loss has several "
+                "terms whose normalisers differ (masked or weighted outputs, "
+                "`reduction='sum'`, or a custom loss object). Micro-batches "
+                "are weighted by their number of samples, which equals the "
+                "big batch only when every term is a per-sample mean. See "
+                "the README's 'Exactness' section.",
+                stacklevel=2,
+            )
+        return batch_size
 
 
 @contextlib.contextmanager
 def record_loss_terms():
     """Records the `LossTerm`s of the compiled losses computed in the block."""
-    recording = _Recording()
+    recording = _LossRecording()
     previous = getattr(_state, "recording", None)
     _state.recording = recording
     try:
@@ -111,8 +136,8 @@ class RecordingLoss:
             return loss(y_true, y_pred, sample_weight)
 
         # The same steps as `keras.losses.Loss.__call__`.
-        in_mask = backend.get_keras_mask(y_pred)
-        with name_scope(loss.name):
+        in_mask = compat.get_keras_mask(y_pred)
+        with compat.name_scope(loss.name):
             y_pred = tree.map_structure(
                 lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_pred
             )
@@ -120,7 +145,7 @@ class RecordingLoss:
                 lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_true
             )
             values = loss.call(y_true, y_pred)
-            out_mask = backend.get_keras_mask(values)
+            out_mask = compat.get_keras_mask(values)
             if in_mask is not None and out_mask is not None:
                 mask = in_mask & out_mask
             elif in_mask is not None:
@@ -151,13 +176,32 @@ class RecordingLoss:
         return value
 
 
-def install(compile_loss):
-    """Wraps the loss objects of a built `CompileLoss` (idempotent)."""
-    if compile_loss is None or not getattr(compile_loss, "built", False):
+def install(model, x, y, y_pred, sample_weight):
+    """Wraps the model's compiled losses so that their normalisers are seen.
+
+    Without a distribution strategy Keras builds `CompileLoss` on its first
+    call; it is built here first, symbolically (no side effects), as Keras'
+    own `_symbolic_build` does. Idempotent.
+    """
+    compile_loss = model._compile_loss
+    if compile_loss is None:
         return
-    flat = getattr(compile_loss, "_flat_losses", None)
-    if not flat:
-        return
+    if not compile_loss.built:
+
+        def spec(value):
+            if value is None:
+                return None
+            return keras.KerasTensor(value.shape, value.dtype)
+
+        compat.compute_output_spec(
+            model._compute_loss,
+            tree.map_structure(spec, x),
+            tree.map_structure(spec, y),
+            tree.map_structure(spec, y_pred),
+            sample_weight=tree.map_structure(spec, sample_weight),
+            training=False,
+        )
+    flat = compat.flat_losses(compile_loss)
     for i, entry in enumerate(flat):
         if not isinstance(entry.loss, RecordingLoss):
             flat[i] = entry._replace(loss=RecordingLoss(entry.loss))

@@ -98,3 +98,9 @@ def segmentation_data(n=16, size=8, classes=3, ignore=255, seed=0):
         share = (i % 5) / 5.0  # 0% .. 80% ignored
         y[i][rng.random((size, size)) < share] = ignore
     return x, y
+
+
+def buffers(model):
+    """The model's accumulation buffers, through the public `state()`."""
+    state = model.gradient_accumulator.state()
+    return [v for name, v in state.items() if name.startswith("buffer_")]

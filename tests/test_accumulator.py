@@ -44,7 +44,7 @@ class AccumulatingModel(keras_accum.GradientAccumulationModel):
         grads = tape.gradient(scaled, self.trainable_variables)
         self.gradient_accumulator.accumulate_and_maybe_apply(
             grads, self.optimizer, self.trainable_variables,
-            weight=tf.shape(x)[0],
+            normalizer=tf.shape(x)[0],
         )
         return {"loss": loss}
 
@@ -83,7 +83,7 @@ def test_plain_tf_function_loop(float64):
             loss = _two_loss(yb, model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         return accumulator.accumulate_and_maybe_apply(
-            grads, optimizer, model.trainable_variables, weight=tf.shape(xb)[0]
+            grads, optimizer, model.trainable_variables, normalizer=tf.shape(xb)[0]
         )
 
     applied = [bool(step(x[i : i + 2], y[i : i + 2])) for i in range(0, 16, 2)]
@@ -110,8 +110,8 @@ def test_flush_applies_partial_window_and_reset_discards(float64):
     accumulator = keras_accum.GradientAccumulator(4)
     g1 = tf.constant([1.0, 1.0], "float64")
     g2 = tf.constant([4.0, -2.0], "float64")
-    accumulator.accumulate_and_maybe_apply([g1], optimizer, [variable], weight=1)
-    accumulator.accumulate_and_maybe_apply([g2], optimizer, [variable], weight=3)
+    accumulator.accumulate_and_maybe_apply([g1], optimizer, [variable], normalizer=1)
+    accumulator.accumulate_and_maybe_apply([g2], optimizer, [variable], normalizer=3)
     assert int(accumulator.micro_step) == 2
     assert bool(accumulator.flush(optimizer, [variable]))
     # Weighted mean of the two gradients: (1*g1 + 3*g2) / 4.
@@ -124,6 +124,38 @@ def test_flush_applies_partial_window_and_reset_discards(float64):
     assert int(optimizer.iterations) == 1
     # The discarded gradient must not reach the next window.
     before = variable.numpy().copy()
-    accumulator.accumulate_and_maybe_apply([g2], optimizer, [variable], weight=2)
+    accumulator.accumulate_and_maybe_apply([g2], optimizer, [variable], normalizer=2)
     assert bool(accumulator.flush(optimizer, [variable]))
     np.testing.assert_allclose(variable.numpy(), before - g2.numpy(), rtol=1e-15)
+
+
+def test_sum_losses_in_a_custom_loop(float64):
+    # `normalizer=None`: each micro-batch's loss is a sum; the window's
+    # update is the gradient of the big batch's sum, not divided by anything.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    reference.set_weights(model.get_weights())
+    initial = [np.array(w) for w in model.get_weights()]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 3)), rng.normal(size=(12, 2))
+    optimizer = keras.optimizers.SGD(0.05)
+    accumulator = keras_accum.GradientAccumulator(3)
+    for i in range(0, 12, 4):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x[i : i + 4]) - y[i : i + 4]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        accumulator.accumulate_and_maybe_apply(
+            grads, optimizer, model.trainable_variables, normalizer=None
+        )
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(reference(x) - y))
+    keras.optimizers.SGD(0.05).apply(
+        tape.gradient(loss, reference.trainable_variables),
+        reference.trainable_variables,
+    )
+    assert int(optimizer.iterations) == 1
+    assert_close_to_reference(
+        "reduction='sum' in a custom loop",
+        initial, reference.get_weights(), model.get_weights(), RTOL["float64"],
+    )

@@ -76,6 +76,24 @@ def test_sample_weight(reduction, float64, mode, compile_kwargs):
     )
 
 
+def test_sum_reduction(float64, mode, compile_kwargs):
+    # A sum over samples has no normaliser: the window divides by 1, and the
+    # sum of the micro-batches' gradients is the big batch's.
+    x, y = classification_data(n=32)
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum"
+    )
+    reference, ours = twins(dense_net, steps=4)
+    initial, _, _ = fit_side_by_side(
+        reference, ours, x, y, 4, 4, OPTIMIZERS["sgd_momentum"], loss,
+        compile_kwargs,
+    )
+    assert_close_to_reference(
+        "b. reduction='sum'",
+        initial, reference.get_weights(), ours.get_weights(), RTOL["float64"],
+    )
+
+
 def test_short_last_micro_batch_and_window(precision, mode, compile_kwargs):
     # 37 samples, B=5, N=3: micro-batches 5,5,5 | 5,5,5 | 5,2 per epoch; the
     # big batch of 15 gives 15 | 15 | 7.

@@ -1,0 +1,102 @@
+"""The one seam to Keras' private API.
+
+Every `keras.src` import of the package is here, with the private attributes
+that the exact paths need. They are checked when keras_accum is imported: a
+Keras without them fails then, with an error that names its version, rather
+than training inexactly later.
+"""
+
+import keras
+import tensorflow as tf
+
+_NEEDS = "keras_accum needs a Keras 3 with the TensorFlow backend whose"
+
+
+def _missing(what):
+    return ImportError(
+        f"{_NEEDS} {what}; Keras {keras.__version__} has not. See the README's "
+        "'Compatibility' section for the tested versions."
+    )
+
+
+try:
+    from keras.src.backend import compute_output_spec  # noqa: F401
+    from keras.src.backend import get_keras_mask  # noqa: F401
+    from keras.src.backend import name_scope  # noqa: F401
+    from keras.src.losses import loss as loss_module
+    from keras.src.models.functional import Functional  # noqa: F401
+    from keras.src.models.model import functional_init_arguments  # noqa: F401
+    from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: F401
+        unpack_x_y_sample_weight,
+    )
+except ImportError as error:  # pragma: no cover - depends on the version
+    raise _missing(f"modules import ({error})") from error
+
+for _module, _names in (
+    (
+        loss_module,
+        (
+            "Loss",
+            "apply_mask",
+            "reduce_weighted_values",
+            "squeeze_or_expand_to_same_rank",
+            "standardize_reduction",
+            "unscale_loss_for_distribution",
+        ),
+    ),
+    (keras.Model, ("_compute_loss", "_symbolic_build", "_maybe_symbolic_build")),
+    (keras.layers.BatchNormalization, ("_moments",)),
+    (keras.layers.Layer, ("_flatten_layers",)),
+):
+    for _name in _names:
+        if not hasattr(_module, _name):  # pragma: no cover
+            raise _missing(f"`{getattr(_module, '__name__', _module)}.{_name}`")
+
+unscale_loss_for_distribution = loss_module.unscale_loss_for_distribution
+
+
+def flat_losses(compile_loss):
+    """The mutable list of a built `CompileLoss`'s loss entries.
+
+    Raises:
+        ImportError: if this Keras keeps its losses elsewhere (the exact
+            normalisers could not be recorded).
+    """
+    flat = getattr(compile_loss, "_flat_losses", None)
+    if flat is None:
+        raise _missing("`CompileLoss` keeps its losses in `_flat_losses`")
+    return flat
+
+
+def layers_of(model):
+    """Every layer of `model`, nested models included, `model` first."""
+    return model._flatten_layers(include_self=True, recursive=True)
+
+
+def reduction_axes(layer):
+    """The axes a `BatchNormalization` layer's moments reduce over."""
+    return layer._reduction_axes
+
+
+def set_initial_epoch(model, epoch):
+    """The epoch `fit()` starts from (as Keras' `BackupAndRestore` sets)."""
+    model._initial_epoch = epoch
+
+
+def in_multi_worker_mode(strategy):
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def first_replica_batch(strategy, epoch_iterator):
+    """The first batch of a Keras epoch iterator, as one replica sees it."""
+    for _, _, iterator in epoch_iterator:
+        batch = next(iterator)
+        break
+    return keras.tree.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v,
+        batch,
+    )
