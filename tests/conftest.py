@@ -93,6 +93,29 @@ def update_difference(initial, reference, candidate):
 def record(case, value):
     """Keeps the largest relative difference measured for `case`."""
     _MEASURED[case] = max(_MEASURED[case], value)
+    _UNREPORTED.append((case, value))
+
+
+# Under pytest-xdist the measurements travel to the controller with each
+# test's report.
+_UNREPORTED = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call" and _UNREPORTED:
+        outcome.get_result().user_properties.append(
+            ("relative_differences", list(_UNREPORTED))
+        )
+        _UNREPORTED.clear()
+
+
+def pytest_runtest_logreport(report):
+    for name, values in report.user_properties:
+        if name == "relative_differences":
+            for case, value in values:
+                _MEASURED[case] = max(_MEASURED[case], value)
 
 
 def assert_close_to_reference(case, initial, reference, candidate, rtol):
