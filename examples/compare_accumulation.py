@@ -250,7 +250,8 @@ def run_one(args):
     import tensorflow as tf
 
     import keras_accum
-    import segmentation  # From this folder.
+    import example_utils as utils  # From this folder.
+    import segmentation
 
     keras.utils.set_random_seed(args.seed)
     gpus = tf.config.list_physical_devices("GPU")
@@ -265,11 +266,11 @@ def run_one(args):
         flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     flags += ["--data-dir", args.data_dir] if args.data_dir else []
     flags += ["--smoke"] if args.smoke else []
-    seg_args = segmentation.resolve_settings(
-        segmentation.build_parser().parse_args(flags)
+    seg_args = utils.resolve_settings(
+        utils.build_parser("").parse_args(flags)
     )
     train_ds, val_ds = segmentation.load_datasets(seg_args, batch)
-    num_classes = len(segmentation.DATASETS["synthetic_shapes"]["class_names"])
+    num_classes = len(utils.DATASETS["synthetic_shapes"]["class_names"])
 
     inputs, logits = segmentation.unet_layers(
         args.image_size, num_classes, width=args.width, depth=args.depth

@@ -73,7 +73,8 @@ import tensorflow as tf
 import keras_accum
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import segmentation  # noqa: E402  (data pipeline, U-Net and figure helpers)
+import example_utils as utils  # noqa: E402  (flags, strategy, figures)
+import segmentation  # noqa: E402  (data pipeline and U-Net)
 
 IGNORE_LABEL = segmentation.IGNORE_LABEL
 
@@ -224,7 +225,7 @@ def window_gradient_gap(model, x, y, steps):
 
 def main(argv=None):
     start = time.perf_counter()
-    parser = segmentation.build_parser(
+    parser = utils.build_parser(
         description="U-Net trained on cross-entropy + Dice in a custom "
         "train_step, with exact gradient accumulation for the cross-entropy."
     )
@@ -237,18 +238,18 @@ def main(argv=None):
     parser.set_defaults(
         output_dir=os.path.join("outputs", "custom_training_loop")
     )
-    args = segmentation.resolve_settings(parser.parse_args(argv))
-    strategy = segmentation.make_strategy(args.strategy)
+    args = utils.resolve_settings(parser.parse_args(argv))
+    strategy = utils.make_strategy(args.strategy)
     keras.utils.set_random_seed(args.seed)
     if args.mixed_precision != "none":
         keras.mixed_precision.set_global_policy(args.mixed_precision)
 
-    class_names = segmentation.DATASETS[args.dataset]["class_names"]
+    class_names = utils.DATASETS[args.dataset]["class_names"]
     num_classes = len(class_names)
     steps = args.gradient_accumulation_steps
     global_batch = args.batch_size * strategy.num_replicas_in_sync
     train_ds, val_ds = segmentation.load_datasets(args, global_batch)
-    updates_per_epoch = -(-segmentation.count_batches(train_ds) // steps)
+    updates_per_epoch = -(-utils.count_batches(train_ds) // steps)
 
     with strategy.scope():
         inputs, logits = segmentation.unet_layers(
@@ -287,13 +288,13 @@ def main(argv=None):
 
     os.makedirs(args.output_dir, exist_ok=True)
     paths = {
-        "predictions": segmentation.save_prediction_grid(
+        "predictions": utils.save_prediction_grid(
             model,
             val_ds,
             class_names,
             os.path.join(args.output_dir, "predictions.png"),
         ),
-        "training_curves": segmentation.save_training_curves(
+        "training_curves": utils.save_training_curves(
             history,
             os.path.join(args.output_dir, "training_curves.png"),
             title=f"Cross-entropy + {args.dice_weight:g} x Dice, batch "
