@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import record
 from conftest import relative_difference
 
 import keras_accum
@@ -69,6 +70,7 @@ def test_killed_run_resumes_exactly(tmp_path, data, save_freq, kills):
     resumed, out = _run(tmp_path, "resumed", data, save_freq)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     diff = relative_difference(_weights(reference_out), _weights(out))
+    record(f"resumed after SIGKILL ({data} length)", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
     # A completed run removes its backups.
     assert not (tmp_path / "resumed_backup").exists()
@@ -122,6 +124,7 @@ def test_interrupted_fit_resumes_exactly(
             run([BackupAndRestore(backup, save_freq=2), _Interrupt(epoch, batch)])
     resumed = run([BackupAndRestore(backup, save_freq=2)])
     diff = relative_difference(reference.get_weights(), resumed.get_weights())
+    record(f"resumed after an exception ({data} length)", diff)
     assert diff <= 1e-12
     assert int(resumed.optimizer.iterations) == int(
         reference.optimizer.iterations

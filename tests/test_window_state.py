@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import record
 from conftest import relative_difference
 
 import keras_accum
@@ -230,6 +231,7 @@ def test_restore_mid_window_equals_uninterrupted(
         if epoch + 1 < epochs:
             _fit(model, x, y, epochs=epochs, initial_epoch=epoch + 1)
         diff = relative_difference(expected, model.get_weights())
+        record(f"restored mid-window: {path}", diff)
         assert diff <= EXACT, f"{path} at {point}: {diff:.3g}"
         assert int(model.optimizer.iterations) == int(
             uninterrupted.optimizer.iterations
@@ -332,6 +334,7 @@ def test_unknown_length_equals_big_batch(
     model.fit(_unknown_length(kind, x, y), epochs=2, verbose=0)
     assert int(model.optimizer.iterations) == 4
     diff = relative_difference(reference.get_weights(), model.get_weights())
+    record(f"unknown length: {kind}", diff)
     assert diff <= EXACT, f"{kind}: {diff:.3g}"
 
 
@@ -349,6 +352,7 @@ def test_python_generator(micro_batches, optimizer, mode, float64):
     model.fit(_batches(x, y), verbose=0)
     assert int(model.optimizer.iterations) == 2
     diff = relative_difference(reference.get_weights(), model.get_weights())
+    record("unknown length: Python generator", diff)
     assert diff <= EXACT
 
 
