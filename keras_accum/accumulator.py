@@ -324,7 +324,8 @@ class GradientAccumulator(tf.Module):
         The buffers are not written: while `added_micro_batches` is 0 they
         are stale, and the window's first added micro-batch overwrites them.
         """
-        self._normalizer_sum.assign(tf.zeros_like(self._normalizer_sum))
+        if self._normalizer_sum is not None:
+            self._normalizer_sum.assign(tf.zeros_like(self._normalizer_sum))
         self.micro_step.assign(0)
         self.added_micro_batches.assign(0)
         for listener in self._listeners:
