@@ -6,6 +6,8 @@ Keras without them fails then, with an error that names its version, rather
 than training inexactly later.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -25,7 +27,9 @@ try:
     from keras.src.backend import name_scope  # noqa: F401
     from keras.src.losses import loss as loss_module
     from keras.src.models.functional import Functional  # noqa: F401
+    from keras.src.models import model as model_module
     from keras.src.models.model import functional_init_arguments  # noqa: F401
+    from keras.src.saving import object_registration
     from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: F401
         unpack_x_y_sample_weight,
     )
@@ -45,6 +49,8 @@ for _module, _names in (
         ),
     ),
     (keras.Model, ("_compute_loss", "_symbolic_build", "_maybe_symbolic_build")),
+    (model_module, ("inject_functional_model_class",)),
+    (object_registration, ("GLOBAL_CUSTOM_NAMES",)),
     (keras.layers.BatchNormalization, ("_moments",)),
     (keras.layers.Layer, ("_flatten_layers",)),
 ):
@@ -100,3 +106,33 @@ def first_replica_batch(strategy, epoch_iterator):
         else v,
         batch,
     )
+
+
+def serialize_as(cls, registered_name):
+    """Has Keras save instances of `cls` under `registered_name`."""
+    object_registration.GLOBAL_CUSTOM_NAMES[cls] = registered_name
+
+
+@contextlib.contextmanager
+def functional_class_for(instance, functional_class):
+    """Builds `instance` as `Functional` without rewriting any class.
+
+    When a model class that is not `Functional` gets functional arguments
+    (a keras-hub task's constructor builds its graph and passes it on),
+    Keras rewrites the bases of the class and of every class above it.
+    Inside this context, `instance` takes the class `functional_class(cls)`
+    instead (a subclass of its class and of `Functional`).
+    """
+    original = model_module.inject_functional_model_class
+
+    def inject(cls):
+        if cls is type(instance) and not issubclass(cls, Functional):
+            instance.__class__ = functional_class(cls)
+            return instance.__class__
+        return original(cls)
+
+    model_module.inject_functional_model_class = inject
+    try:
+        yield
+    finally:
+        model_module.inject_functional_model_class = original

@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import optimizers
 
 from keras_accum._tf_utils import accumulation_dtype
+from keras_accum._tf_utils import assign_per_replica
 from keras_accum._tf_utils import assign_state
 from keras_accum._tf_utils import in_replica_context
 from keras_accum._tf_utils import in_xla_context
@@ -125,9 +126,11 @@ class GradientAccumulator(tf.Module):
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
-        self.gradient_accumulation_steps = validate_steps(
-            gradient_accumulation_steps
-        )
+        steps = validate_steps(gradient_accumulation_steps)
+        self._steps = steps
+        # Whether windows go through buffers (N > 1 now or ever before):
+        # decided in Python, when tracing.
+        self._accumulates = steps > 1
         self.non_finite_policy = validate_policy(non_finite_policy)
         self._variable_ids = None
         self._buffers = []
@@ -140,6 +143,13 @@ class GradientAccumulator(tf.Module):
         self._gradient_is_none = None
         with tf.init_scope():
             self.micro_step = state_variable(0, "micro_step", dtype=tf.int64)
+            # N of the current window, and of the windows after it.
+            self.window_steps = state_variable(
+                steps, "window_steps", dtype=tf.int64
+            )
+            self.next_window_steps = state_variable(
+                steps, "next_window_steps", dtype=tf.int64
+            )
             # Micro-batches of the window whose gradients were added.
             self.added_micro_batches = state_variable(
                 0, "added_micro_batches", dtype=tf.int64
@@ -155,6 +165,36 @@ class GradientAccumulator(tf.Module):
     @property
     def built(self):
         return self._variable_ids is not None
+
+    @property
+    def accumulates(self):
+        """bool: whether windows go through the buffers (N > 1 ever set)."""
+        return self._accumulates
+
+    @property
+    def gradient_accumulation_steps(self):
+        """int: micro-batches per update, of the windows to come.
+
+        Settable between steps: the window in progress keeps its N, the
+        next one takes the new value. Values > 1 live in a variable (no
+        new trace); the first change from 1 to more creates the buffers, and
+        the train step must be traced again.
+        """
+        return self._steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value):
+        value = validate_steps(value)
+        self._steps = value
+        if value > 1 and not self._accumulates:
+            self._accumulates = True
+            # The next `build()` creates the buffers.
+            self._variable_ids = None
+        with tf.init_scope():
+            replicas = _replicas(self.micro_step)
+            assign_per_replica(self.next_window_steps, [value] * replicas)
+            if not int(self.micro_step.numpy()):
+                assign_per_replica(self.window_steps, [value] * replicas)
 
     def add_window_end_listener(self, listener):
         """Has `listener` hear of every window's end.
@@ -201,10 +241,17 @@ class GradientAccumulator(tf.Module):
                 # Other variables. (The first build appends to the tracked
                 # list: `tf.train.Checkpoint` restores into it later.)
                 self._buffers = []
-            if self.gradient_accumulation_steps > 1:
+            if self._accumulates:
                 self._buffers.extend(map(_buffer, variables, dtypes))
         self._variable_ids = ids
         self._gradient_is_none = None
+        # Keras' float8 scales and amax histories: their "gradient" is
+        # their next value. Neither unscaled nor normalised; the window
+        # keeps the largest (as Keras' own accumulation does).
+        self._overwrite = [
+            bool(getattr(v, "overwrite_with_gradient", False))
+            for v in variables
+        ]
         if self._pending_state:
             self.restore(self._pending_state)
 
@@ -217,6 +264,8 @@ class GradientAccumulator(tf.Module):
         """
         state = {
             "micro_step": self.micro_step,
+            "window_steps": self.window_steps,
+            "next_window_steps": self.next_window_steps,
             "added_micro_batches": self.added_micro_batches,
             "skipped_windows": self.skipped_windows,
             "dropped_micro_batches": self.dropped_micro_batches,
@@ -289,16 +338,17 @@ class GradientAccumulator(tf.Module):
             if is_loss_scale_optimizer(optimizer):
                 unscale = 1.0 / tf.cast(optimizer.dynamic_scale, tf.float32)
                 gradients = [
-                    None if g is None else _scale(g, unscale) for g in gradients
+                    g if g is None or overwrite else _scale(g, unscale)
+                    for g, overwrite in zip(gradients, self._overwrite)
                 ]
-            if self.gradient_accumulation_steps == 1:
+            if not self._accumulates:
                 return _apply_directly(
                     self, gradients, optimizer, variables, policy
                 )
             self._accumulate(
                 gradients, normalizer, gradient_scale, optimizer, policy
             )
-            ready = self.micro_step >= self.gradient_accumulation_steps
+            ready = self.micro_step >= self.window_steps
             return self._end_window(optimizer, variables, policy, ready)
 
     def flush(self, optimizer, variables):
@@ -311,7 +361,7 @@ class GradientAccumulator(tf.Module):
         Returns:
             A boolean tensor: whether an update was applied.
         """
-        if not self.built or self.gradient_accumulation_steps == 1:
+        if not self.built or not self._accumulates:
             return tf.constant(False)
         policy = self._resolve_policy(optimizer)
         return self._end_window(
@@ -328,6 +378,7 @@ class GradientAccumulator(tf.Module):
             self._normalizer_sum.assign(tf.zeros_like(self._normalizer_sum))
         self.micro_step.assign(0)
         self.added_micro_batches.assign(0)
+        self.window_steps.assign(self.next_window_steps)
         for listener in self._listeners:
             listener.reset()
 
@@ -347,7 +398,9 @@ class GradientAccumulator(tf.Module):
 
         def add():
             first = tf.equal(self.added_micro_batches, 0)
-            _add_to_buffers(self._buffers, gradients, factor, first)
+            _add_to_buffers(
+                self._buffers, gradients, factor, first, self._overwrite
+            )
             self._normalizer_sum.assign_add(normalizer)
             self.added_micro_batches.assign_add(1)
             return tf.constant(True)
@@ -378,77 +431,87 @@ class GradientAccumulator(tf.Module):
         and the normaliser are global, the update is applied or skipped, the
         listeners hear of it, and every replica resets its window.
         """
-        lso = is_loss_scale_optimizer(optimizer)
-        target = optimizer.inner_optimizer if lso else optimizer
 
         def end(strategy, ready):
-            several = strategy.num_replicas_in_sync > 1
             ready = strategy.experimental_local_results(ready)[0]
-
-            def finish():
-                if several:
-                    # Micro-batches seen, added, and the normaliser: summed
-                    # over the replicas in one reduction.
-                    counts = strategy.extended.call_for_each_replica(
-                        self._window_counts
-                    )
-                    steps, added, normalizer = tf.unstack(
-                        strategy.reduce(
-                            tf.distribute.ReduceOp.SUM, counts, axis=None
-                        )
-                    )
-                    normalizer = tf.cast(normalizer, self._normalizer_dtype)
-                else:
-                    steps, added = self.micro_step, self.added_micro_batches
-                    normalizer = self._normalizer_sum
-
-                def apply():
-                    strategy.extended.call_for_each_replica(
-                        lambda: target.apply(
-                            _window_gradients(self, normalizer, several),
-                            variables,
-                        )
-                    )
-                    if lso:
-                        _grow_loss_scale(optimizer)
-                    return tf.constant(True)
-
-                def skip():
-                    strategy.extended.call_for_each_replica(
-                        self.skipped_windows.assign_add, args=(1,)
-                    )
-                    if lso and policy == "skip_window":
-                        _shrink_loss_scale(optimizer)
-                    return tf.constant(False)
-
-                if lso and policy == "drop_micro_batch" and several:
-                    # Halve the shared scale once for a window that dropped.
-                    run_if(added < steps, functools.partial(
-                        _shrink_loss_scale, optimizer
-                    ))
-                if policy == "propagate":
-                    applied = apply()
-                else:
-                    ok = tf.equal(added, steps) if policy == "skip_window" else (
-                        added > 0
-                    )
-                    applied = tf.cond(ok, apply, skip)
-                for listener in self._listeners:
-                    listener.window_end(strategy, applied)
-                strategy.extended.call_for_each_replica(self.reset)
-                return applied
-
-            return run_if(ready, finish)
+            return run_if(
+                ready,
+                functools.partial(
+                    _finish_window, self, strategy, optimizer, variables, policy
+                ),
+            )
 
         context = tf.distribute.get_replica_context()
         applied = context.merge_call(end, args=(ready,))
         self.update_applied.assign(applied)
         return applied
 
-    def _window_counts(self):
-        counts = (self.micro_step, self.added_micro_batches, self._normalizer_sum)
-        return tf.stack([tf.cast(c, tf.float64) for c in counts])
 
+def _finish_window(accumulator, strategy, optimizer, variables, policy):
+    """Applies or skips the window, in cross-replica context; resets it."""
+    lso = is_loss_scale_optimizer(optimizer)
+    target = optimizer.inner_optimizer if lso else optimizer
+    several = strategy.num_replicas_in_sync > 1
+    if several:
+        # Micro-batches seen, added, and the normaliser: summed over the
+        # replicas in one reduction.
+        counts = strategy.extended.call_for_each_replica(
+            _window_counts, args=(accumulator,)
+        )
+        steps, added, normalizer = tf.unstack(
+            strategy.reduce(tf.distribute.ReduceOp.SUM, counts, axis=None)
+        )
+        normalizer = tf.cast(normalizer, accumulator._normalizer_dtype)
+    else:
+        steps = accumulator.micro_step
+        added = accumulator.added_micro_batches
+        normalizer = accumulator._normalizer_sum
+
+    def apply():
+        strategy.extended.call_for_each_replica(
+            lambda: target.apply(
+                _window_gradients(accumulator, normalizer, several), variables
+            )
+        )
+        if lso:
+            _grow_loss_scale(optimizer)
+        return tf.constant(True)
+
+    def skip():
+        strategy.extended.call_for_each_replica(
+            accumulator.skipped_windows.assign_add, args=(1,)
+        )
+        if lso and policy == "skip_window":
+            _shrink_loss_scale(optimizer)
+        return tf.constant(False)
+
+    if lso and policy == "drop_micro_batch" and several:
+        # Halve the shared scale once for a window that dropped.
+        run_if(added < steps, functools.partial(_shrink_loss_scale, optimizer))
+    if policy == "propagate":
+        applied = apply()
+    else:
+        ok = tf.equal(added, steps) if policy == "skip_window" else added > 0
+        applied = tf.cond(ok, apply, skip)
+    for listener in accumulator._listeners:
+        listener.window_end(strategy, applied)
+    strategy.extended.call_for_each_replica(accumulator.reset)
+    return applied
+
+
+def _window_counts(accumulator):
+    counts = (
+        accumulator.micro_step,
+        accumulator.added_micro_batches,
+        accumulator._normalizer_sum,
+    )
+    return tf.stack([tf.cast(c, tf.float64) for c in counts])
+
+
+def _replicas(variable):
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return len(variable.values)
+    return 1
 
 
 def _window_gradients(accumulator, normalizer, several):
@@ -463,8 +526,10 @@ def _window_gradients(accumulator, normalizer, several):
         buffers = [tf.where(added, b, tf.zeros_like(b)) for b in buffers]
     divisor = tf.where(normalizer > 0, normalizer, tf.ones_like(normalizer))
     return [
-        None if is_none else b / tf.cast(divisor, b.dtype)
-        for b, is_none in zip(buffers, accumulator._gradient_is_none)
+        None if is_none else b if overwrite else b / tf.cast(divisor, b.dtype)
+        for b, is_none, overwrite in zip(
+            buffers, accumulator._gradient_is_none, accumulator._overwrite
+        )
     ]
 
 
@@ -505,14 +570,23 @@ def _apply_directly(accumulator, gradients, optimizer, variables, policy):
     return applied
 
 
-def _add_to_buffers(buffers, gradients, factor, first):
+def _add_to_buffers(buffers, gradients, factor, first, overwrite):
     """`buffer += factor * g`; `buffer = factor * g` if `first`.
 
     The window's first added micro-batch overwrites the stale buffers (see
     `GradientAccumulator.reset`): a select fused into the addition under
-    XLA, else a `tf.cond` between writing and adding in place.
+    XLA, else a `tf.cond` between writing and adding in place. Buffers of
+    `overwrite` variables keep the largest value instead.
     """
-    pairs = [(b, g) for b, g in zip(buffers, gradients) if g is not None]
+    pairs = []
+    for b, g, keep_max in zip(buffers, gradients, overwrite):
+        if g is None:
+            continue
+        if keep_max:
+            g = tf.cast(g, b.dtype)
+            b.assign(tf.where(first, g, tf.maximum(b, g)))
+        else:
+            pairs.append((b, g))
     # The factor cast once per buffer dtype, in a fixed order.
     factors = {
         dtype: tf.cast(factor, dtype)

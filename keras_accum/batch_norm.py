@@ -321,7 +321,7 @@ class WindowBatchNormStatistics(tf.Module):
         Args:
             model: the `GradientAccumulationModel` to be trained.
         """
-        if not self.enabled or model.gradient_accumulation_steps == 1:
+        if not self.enabled or not model.gradient_accumulator.accumulates:
             return
         self._ensure_calls(
             [
@@ -346,7 +346,7 @@ class WindowBatchNormStatistics(tf.Module):
         Yields:
             None.
         """
-        if not self.enabled or model.gradient_accumulation_steps == 1:
+        if not self.enabled or not model.gradient_accumulator.accumulates:
             yield
             return
         bn_layers = window_batch_norm_layers(model)

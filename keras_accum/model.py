@@ -6,13 +6,15 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_compat as compat
+from keras_accum import _model_classes as classes
 from keras_accum import loss_normalizer
 from keras_accum import _window_state as window_state
 from keras_accum.accumulator import GradientAccumulator
 from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import resolve_policy
 from keras_accum.batch_norm import WindowBatchNormStatistics
-from keras_accum.callbacks import BackupAndRestore
+from keras_accum._fit_hooks import window_train_function
+from keras_accum._fit_hooks import with_window_callbacks
 
 _CONFIG_KEYS = (
     "gradient_accumulation_steps",
@@ -80,6 +82,73 @@ def _check_backend():
         )
 
 
+def _convert(model, gradient_accumulation_steps, kwargs):
+    """`GradientAccumulationModel.from_model()`."""
+    _check_backend()
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "`from_model()` needs a `keras.Model`. Received: "
+            f"model of type {type(model).__name__}"
+        )
+    if isinstance(model, GradientAccumulationModel):
+        raise ValueError(
+            f"The model {model.name!r} already accumulates gradients. "
+            "Set `model.gradient_accumulation_steps` to change N."
+        )
+    unknown = set(kwargs) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Unrecognized arguments for `from_model()`: {sorted(unknown)}. "
+            f"Expected some of {list(_CONFIG_KEYS[1:])}."
+        )
+    defaults = dict(zip(_CONFIG_KEYS[1:], (True, "auto", True)))
+    window = _window_parts(gradient_accumulation_steps, **{**defaults, **kwargs})
+    if getattr(model, "optimizer", None) is not None:
+        _check_optimizer(model.optimizer, window[1].non_finite_policy, False)
+    model.__class__ = classes.accumulating_class(type(model))
+    model._init_window(window)
+    return model
+
+
+def _checked_compile_arguments(model, args, kwargs):
+    """`compile()`'s arguments, an optimizer given resolved and checked.
+
+    Checked before Keras installs anything: a `compile()` that raises leaves
+    the model as it was. (`"auto"`: a keras-hub task's default.)
+    """
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    if optimizer is None or (isinstance(optimizer, str) and optimizer == "auto"):
+        return args, kwargs
+    optimizer = keras.optimizers.get(optimizer)
+    if args:
+        args = (optimizer,) + args[1:]
+    else:
+        kwargs = dict(kwargs, optimizer=optimizer)
+    if "gradient_accumulator" in vars(model):
+        _check_optimizer(
+            optimizer,
+            model.non_finite_policy,
+            # Keras wraps it for `mixed_float16` (`auto_scale_loss`).
+            kwargs.get("auto_scale_loss", True)
+            and model.dtype_policy.name == "mixed_float16",
+        )
+    return args, kwargs
+
+
+def _flush_function(model):
+    """A function that applies `model`'s pending window."""
+    strategy = model.distribute_strategy
+
+    def flush():
+        applied = strategy.run(
+            model.gradient_accumulator.flush,
+            args=(model.optimizer, model.trainable_variables),
+        )
+        return strategy.experimental_local_results(applied)[0]
+
+    return flush if model.run_eagerly else tf.function(flush)
+
+
 @keras.saving.register_keras_serializable(package="keras_accum")
 class GradientAccumulationModel(keras.Model):
     """A `keras.Model` that applies one update every N micro-batches.
@@ -137,8 +206,7 @@ class GradientAccumulationModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        # Like `keras.Model(inputs, outputs)` returning a `Functional`, the
-        # functional form returns `FunctionalGradientAccumulationModel`.
+        # As `keras.Model(inputs, outputs)` returns a `Functional`.
         if cls is GradientAccumulationModel and compat.functional_init_arguments(
             args, kwargs
         ):
@@ -161,22 +229,22 @@ class GradientAccumulationModel(keras.Model):
             non_finite_policy,
             window_batch_norm,
         )
-        if compat.functional_init_arguments(args, kwargs) and not isinstance(
-            self, compat.Functional
-        ):
-            # A subclass built functionally becomes `Functional`, as Keras
-            # does for subclasses of `keras.Model`, but by adding the base to
-            # that subclass only: Keras would rewrite the bases of every
-            # class above it, this one included, which breaks subclassed
-            # models created afterwards.
-            cls = type(self)
-            cls.__bases__ = cls.__bases__ + (compat.Functional,)
-        super().__init__(*args, **kwargs)
+        # A parent that builds a functional graph (a keras-hub task) makes
+        # this instance `Functional` without Keras rewriting any class.
+        with compat.functional_class_for(self, classes.functional_class):
+            super().__init__(*args, **kwargs)
+        self._init_window(window)
+
+    def _init_window(self, window):
         self._flush_function = None
         # Batches that the next train calls consume without training (set
         # by `keras_accum.callbacks.BackupAndRestore` to resume mid-epoch).
         self._batches_to_skip = 0
         self._set_window_parts(*window)
+        if getattr(self, "optimizer", None) is not None:
+            # Compiled by a parent's `__init__`, or before `from_model()`.
+            _check_optimizer(self.optimizer, self.non_finite_policy, False)
+            self.train_function = None
 
     def _set_window_parts(
         self, flush_at_epoch_end, accumulator, batch_norm_statistics
@@ -188,7 +256,24 @@ class GradientAccumulationModel(keras.Model):
 
     @property
     def gradient_accumulation_steps(self):
+        """int: micro-batches per update.
+
+        Settable between `fit()` calls or from a callback: the window in
+        progress keeps its N and the next window takes the new one (see
+        `keras_accum.callbacks.GradientAccumulationScheduler`).
+        """
         return self.gradient_accumulator.gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value):
+        accumulator = self.gradient_accumulator
+        accumulated = accumulator.accumulates
+        accumulator.gradient_accumulation_steps = value
+        if accumulator.accumulates != accumulated:
+            # From 1 to more: buffers, and a train step that fills them.
+            self._flush_function = None
+            if getattr(self, "train_function", None) is not None:
+                self.make_train_function(force=True)
 
     @property
     def non_finite_policy(self):
@@ -221,19 +306,29 @@ class GradientAccumulationModel(keras.Model):
 
     @classmethod
     def from_model(cls, model, gradient_accumulation_steps, **kwargs):
-        """Wraps an existing functional or `Sequential` model.
+        """Makes an existing model train with accumulation, in place.
+
+        The model keeps everything it has: it stays an instance of its
+        class (a keras-hub task keeps its preprocessor, `generate()` and
+        compile defaults; a subclassed model its `call()`), its weights and
+        its compile state. Its class becomes a subclass of that class and of
+        `GradientAccumulationModel`, and it is saved and loaded as such.
 
         Args:
-            model: a built functional or `Sequential` `keras.Model`; its
-                layers (and weights) are shared.
+            model: a `keras.Model` of any kind: functional, `Sequential`,
+                subclassed, or a keras-hub task.
             gradient_accumulation_steps: int >= 1, micro-batches per update.
-            **kwargs: other `GradientAccumulationModel` arguments.
+            **kwargs: the other `GradientAccumulationModel` arguments
+                (`flush_at_epoch_end`, `non_finite_policy`,
+                `window_batch_norm`).
 
         Returns:
-            A `GradientAccumulationModel` with the same inputs and outputs.
+            `model` itself, now accumulating.
 
         Raises:
-            ValueError: if `model` has no symbolic inputs and outputs.
+            ValueError: for an invalid argument, for a model that already
+                accumulates, or if its optimizer accumulates gradients
+                itself.
 
         Example:
 
@@ -242,44 +337,17 @@ class GradientAccumulationModel(keras.Model):
         model = keras_accum.GradientAccumulationModel.from_model(
             base, gradient_accumulation_steps=8
         )
+        assert model is base and isinstance(model, keras.Sequential)
         ```
         """
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            inputs = outputs = None
-        if not inputs or not outputs:
-            raise ValueError(
-                "`from_model()` needs a functional or `Sequential` model with "
-                "defined inputs and outputs (e.g. built from `keras.Input`). "
-                f"Received: model={model.name!r} of type "
-                f"{type(model).__name__}. For a subclassed model, derive it "
-                "from `GradientAccumulationModel` instead of `keras.Model`."
-            )
-        if isinstance(model, keras.Sequential) or len(inputs) == 1:
-            inputs = inputs[0] if len(inputs) == 1 else inputs
-        if len(outputs) == 1:
-            outputs = outputs[0]
-        return cls(
-            inputs,
-            outputs,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            name=kwargs.pop("name", model.name),
-            **kwargs,
-        )
+        return _convert(model, gradient_accumulation_steps, kwargs)
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
-        # Checked before Keras installs anything: a `compile()` that raises
-        # leaves the model as it was.
-        optimizer = keras.optimizers.get(optimizer)
-        _check_optimizer(
-            optimizer,
-            self.non_finite_policy,
-            # Keras wraps it for `mixed_float16` (`auto_scale_loss`).
-            kwargs.get("auto_scale_loss", True)
-            and self.dtype_policy.name == "mixed_float16",
-        )
-        super().compile(optimizer, *args, **kwargs)
+    def compile(self, *args, **kwargs):
+        args, kwargs = _checked_compile_arguments(self, args, kwargs)
+        super().compile(*args, **kwargs)
+        if "gradient_accumulator" in vars(self):
+            # The parent's default optimizer, if none was given.
+            _check_optimizer(self.optimizer, self.non_finite_policy, False)
         self._flush_function = None
 
     def compile_from_config(self, config):
@@ -295,7 +363,7 @@ class GradientAccumulationModel(keras.Model):
             return self.train_function
         self._build_window_state()
         super().make_train_function(force=force)
-        self.train_function = _window_train_function(self, self.train_function)
+        self.train_function = window_train_function(self, self.train_function)
         self._flush_function = None
         return self.train_function
 
@@ -321,9 +389,9 @@ class GradientAccumulationModel(keras.Model):
                 )
             )
 
-    def fit(self, *args, callbacks=None, **kwargs):
-        callbacks = _with_window_callbacks(self, callbacks)
-        return super().fit(*args, callbacks=callbacks, **kwargs)
+    def fit(self, x=None, *args, callbacks=None, **kwargs):
+        callbacks = with_window_callbacks(self, callbacks, x, kwargs)
+        return super().fit(x, *args, callbacks=callbacks, **kwargs)
 
     def flush_gradients(self):
         """Applies the pending partial window, if any.
@@ -334,7 +402,7 @@ class GradientAccumulationModel(keras.Model):
         if (
             self.optimizer is None
             or not self.gradient_accumulator.built
-            or self.gradient_accumulation_steps == 1
+            or not self.gradient_accumulator.accumulates
         ):
             return False
         if int(self.gradient_accumulator.micro_step.numpy()) == 0:
@@ -342,18 +410,7 @@ class GradientAccumulationModel(keras.Model):
             # under `tf.distribute`; every worker counts the same.)
             return False
         if self._flush_function is None:
-            strategy = self.distribute_strategy
-
-            def flush():
-                applied = strategy.run(
-                    self.gradient_accumulator.flush,
-                    args=(self.optimizer, self.trainable_variables),
-                )
-                return strategy.experimental_local_results(applied)[0]
-
-            self._flush_function = (
-                flush if self.run_eagerly else tf.function(flush)
-            )
+            self._flush_function = _flush_function(self)
         return bool(self._flush_function())
 
     def train_step(self, data):
@@ -399,10 +456,10 @@ class GradientAccumulationModel(keras.Model):
             )
         else:
             warnings.warn("The model does not have any trainable weights.")
-        return _multi_worker_logs(
-            self.distribute_strategy,
-            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
-        )
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self.gradient_accumulator.accumulates and self.optimizer is not None:
+            logs = dict(logs, updates=self.optimizer.iterations)
+        return _multi_worker_logs(self.distribute_strategy, logs)
 
     def test_step(self, data):
         return _multi_worker_logs(
@@ -419,11 +476,23 @@ class GradientAccumulationModel(keras.Model):
                 "window_batch_norm": self.window_batch_norm,
             }
         )
+        base = getattr(type(self), "_converted_from", None)
+        if base is not None:
+            config["converted_from"] = classes.class_spec(base)
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        if "converted_from" in config:
+            # A model made accumulating by `from_model()`: its own class
+            # rebuilds it, then it is converted again.
+            base = classes.class_from_config(
+                config.pop("converted_from"), custom_objects
+            )
+            own = {k: config.pop(k) for k in _CONFIG_KEYS if k in config}
+            model = base.from_config(config)
+            return cls.from_model(model, **own)
         functional_keys = ("name", "layers", "input_layers", "output_layers")
         if all(key in config for key in functional_keys):
             own = {k: config.pop(k) for k in _CONFIG_KEYS if k in config}
@@ -486,91 +555,3 @@ class FunctionalGradientAccumulationModel(
     GradientAccumulationModel, compat.Functional
 ):
     """The class of `GradientAccumulationModel(inputs, outputs, ...)`."""
-
-
-def _window_train_function(model, train_function):
-    """Keras' train function, with the window's end when the input runs out.
-
-    It also consumes, without training, the batches that a resumed run
-    skips (see `keras_accum.callbacks.BackupAndRestore`).
-    """
-
-    def window_train_function(iterator):
-        try:
-            if model._batches_to_skip:
-                count = min(model.steps_per_execution, model._batches_to_skip)
-                for _ in range(count):
-                    getattr(iterator, "get_next", lambda: next(iterator))()
-                model._batches_to_skip -= count
-                return model.get_metrics_result()
-            return train_function(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            # An epoch of unknown length ended: the window ends before
-            # validation and the epoch's callbacks.
-            model._batches_to_skip = 0
-            if model.flush_at_epoch_end:
-                model.flush_gradients()
-            raise
-
-    return window_train_function
-
-
-def _with_window_callbacks(model, callbacks):
-    """`callbacks` with the window's end first and last.
-
-    The window ends before any other callback sees an epoch's or the
-    training's end, and after all saw the last batch. Our `BackupAndRestore`
-    restores before other callbacks start and backs up after the window's
-    end.
-    """
-    first, last = [_WindowEnd()], [_LastWindowEnd()]
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        for callback in first + last:
-            callback.set_model(model)
-            callback.set_params(callbacks.params)
-        callbacks.callbacks[:0] = first
-        callbacks.callbacks.extend(last)
-        return callbacks
-    callbacks = list(callbacks or [])
-    backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
-    rest = [c for c in callbacks if c not in backups]
-    return first + backups + rest + last
-
-
-class _WindowEnd(keras.callbacks.Callback):
-    """Applies a partial window before other callbacks see an epoch's end.
-
-    Runs first. The last epoch's window is applied here even without
-    `flush_at_epoch_end`, so before Keras finalizes the weights (EMA).
-    """
-
-    def on_epoch_end(self, epoch, logs=None):
-        epochs = self.params.get("epochs") if self.params else None
-        if (
-            self.model.flush_at_epoch_end
-            or self.model.stop_training
-            or (epochs is not None and epoch + 1 >= epochs)
-        ):
-            self.model.flush_gradients()
-
-    def on_train_end(self, logs=None):
-        self.model.flush_gradients()
-
-
-class _LastWindowEnd(keras.callbacks.Callback):
-    """Applies a partial window after the epoch's last batch, before validation.
-
-    Runs last: every callback sees the last batch as it left the train step.
-    For input of unknown length the train function ends the window when the
-    input runs out. A window carried over the epoch is applied here when a
-    callback stopped the training at the epoch's end.
-    """
-
-    def on_train_batch_end(self, batch, logs=None):
-        steps = self.params.get("steps") if self.params else None
-        if self.model.flush_at_epoch_end and steps and batch + 1 >= steps:
-            self.model.flush_gradients()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.model.stop_training:
-            self.model.flush_gradients()

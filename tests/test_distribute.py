@@ -119,6 +119,19 @@ def test_mirrored_strategy(case):
         )
 
 
+def test_mirrored_strategy_with_changing_steps():
+    """N = 3 in epoch 0, 2 in epoch 1 (`GradientAccumulationScheduler`)."""
+    run = subprocess.run(
+        [sys.executable, WORKER, "--strategy", "mirrored", "--case", "masked",
+         "--schedule"],
+        capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = _result(run.stdout)
+    _check(result, "masked")
+    assert result["iterations"] == 3 + 4
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -84,15 +84,38 @@ def test_propagate_with_loss_scale_optimizer_is_refused():
         )
 
 
-def test_from_model_needs_symbolic_inputs():
-    class Sub(keras.Model):
-        def call(self, x):
-            return x
-
-    with pytest.raises(ValueError, match="derive it from"):
-        keras_accum.GradientAccumulationModel.from_model(
-            Sub(), gradient_accumulation_steps=2
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("not_a_model", "needs a `keras.Model`"),
+        ("accumulating", "already accumulates"),
+        ("unknown_argument", "Unrecognized arguments"),
+        ("bad_steps", "`gradient_accumulation_steps` must be an integer"),
+        ("accumulating_optimizer", "accumulates gradients itself"),
+    ],
+)
+def test_from_model_errors(case, match):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    args = dict(gradient_accumulation_steps=2)
+    if case == "not_a_model":
+        model = keras.layers.Dense(1)
+    elif case == "accumulating":
+        model = keras_accum.GradientAccumulationModel.from_model(model, 2)
+    elif case == "unknown_argument":
+        args["name"] = "other"
+    elif case == "bad_steps":
+        args["gradient_accumulation_steps"] = 0
+    else:
+        model.compile(
+            optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2),
+            loss="mse",
         )
+    cls = type(model)
+    with pytest.raises(ValueError, match=match):
+        keras_accum.GradientAccumulationModel.from_model(model, **args)
+    # A failed conversion leaves the model as it was.
+    assert type(model) is cls
 
 
 def test_accumulator_length_mismatch():

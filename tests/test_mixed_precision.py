@@ -213,3 +213,48 @@ def test_growth_counts_updates():
     ours.fit(x, y, batch_size=B, shuffle=False, verbose=0)  # 4 updates
     assert int(optimizer.iterations) == 4
     assert float(optimizer.dynamic_scale) == 2.0**6  # grew twice, not 6x
+
+
+@pytest.mark.parametrize("mode", ["graph", "jit"])
+def test_float8_overwrite_variables_as_keras_accumulates_them(
+    mode, compile_kwargs
+):
+    # Keras' float8 training: scales and amax histories take their
+    # "gradient" as their next value. Keras' own accumulation keeps the
+    # window's largest; nothing normalises or unscales them. The reference
+    # is that built-in option on the same micro-batches.
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        model = cls(inputs, keras.layers.Dense(3)(h), **kwargs)
+        model.quantize("float8")
+        return model
+
+    reference = build(keras.Model)
+    ours = build(keras_accum.GradientAccumulationModel,
+                 gradient_accumulation_steps=2)
+    overwrite = [
+        i for i, v in enumerate(ours.weights)
+        if getattr(v, "overwrite_with_gradient", False)
+    ]
+    assert overwrite
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(16,))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference.compile(
+        optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+        loss=loss, **compile_kwargs,
+    )
+    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss,
+                 **compile_kwargs)
+    for model in (reference, ours):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    diff = relative_difference(reference.get_weights(), ours.get_weights())
+    record(f"float8 overwrite variables vs built-in ({mode})", diff)
+    assert diff <= 1e-5
+    for i in overwrite:
+        np.testing.assert_allclose(
+            ours.get_weights()[i], reference.get_weights()[i], rtol=1e-6
+        )

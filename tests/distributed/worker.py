@@ -168,6 +168,10 @@ def main():
     )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-count", action="store_true")
+    parser.add_argument(
+        "--schedule", action="store_true",
+        help="N = 3 in epoch 0, then 2 (GradientAccumulationScheduler).",
+    )
     args = parser.parse_args()
 
     if args.strategy == "mirrored":
@@ -238,11 +242,17 @@ def main():
             self.steps.append((applied, int(counter.counter.numpy()) - self._start))
 
     spy = StepReductions()
+    steps_by_epoch = [STEPS] * args.epochs
+    if args.schedule:
+        steps_by_epoch[1:] = [2] * (args.epochs - 1)
+        spy = [spy, keras_accum.callbacks.GradientAccumulationScheduler({1: 2})]
+    else:
+        spy = [spy]
     replicas = strategy.num_replicas_in_sync
     if args.strategy == "mirrored":
         data = (x, y)
         ours.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, epochs=args.epochs,
-                 shuffle=False, verbose=0, callbacks=[spy])
+                 shuffle=False, verbose=0, callbacks=spy)
     else:
         # Each worker reads its own shard: worker w holds the w-th of the
         # equal parts of every micro-batch (the short last one included).
@@ -259,12 +269,12 @@ def main():
             return dataset
 
         dataset = strategy.distribute_datasets_from_function(shard)
-        ours.fit(dataset, epochs=args.epochs, verbose=0, callbacks=[spy])
+        ours.fit(dataset, epochs=args.epochs, verbose=0, callbacks=spy)
 
     # The reference: one device, one big batch per window of the same samples.
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
-    window = GLOBAL_MICRO_BATCH * STEPS
-    for _ in range(args.epochs):
+    for epoch_steps in steps_by_epoch:
+        window = GLOBAL_MICRO_BATCH * epoch_steps
         for start in range(0, SAMPLES, window):
             xb, yb = x[start : start + window], y[start : start + window]
             if args.case == "overflow" and start == 0:
@@ -314,7 +324,7 @@ def main():
         "reductions": int(counter.counter.numpy()),
         "reduced_tensors": int(counter.tensors.numpy()),
         "trainable_tensors": len(ours.trainable_variables),
-        "reductions_per_step": spy.steps,
+        "reductions_per_step": spy[0].steps,
     }))
     sys.stdout.flush()
 

@@ -1,0 +1,143 @@
+"""What `GradientAccumulationModel.fit()` adds to Keras' loop.
+
+The train function that ends the window when the input runs out, the
+callbacks that end it before others see an epoch's end, and the line that
+`fit()` prints at its start.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_accum.callbacks import BackupAndRestore
+
+
+def window_train_function(model, train_function):
+    """Keras' train function, with the window's end when the input runs out.
+
+    It also consumes, without training, the batches that a resumed run
+    skips (see `keras_accum.callbacks.BackupAndRestore`).
+    """
+
+    def window_train_function(iterator):
+        try:
+            if model._batches_to_skip:
+                count = min(model.steps_per_execution, model._batches_to_skip)
+                for _ in range(count):
+                    getattr(iterator, "get_next", lambda: next(iterator))()
+                model._batches_to_skip -= count
+                return model.get_metrics_result()
+            return train_function(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            # An epoch of unknown length ended: the window ends before
+            # validation and the epoch's callbacks.
+            model._batches_to_skip = 0
+            if model.flush_at_epoch_end:
+                model.flush_gradients()
+            raise
+
+    return window_train_function
+
+
+def _micro_batch_size(x, batch_size):
+    """The (global) micro-batch size `fit()` will see, if known upfront."""
+    if isinstance(x, tf.data.Dataset):
+        spec = keras.tree.flatten(x.element_spec)
+        size = spec[0].shape[0] if spec and spec[0].shape.rank else None
+        return size
+    if hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):
+        return batch_size or 32
+    return batch_size
+
+
+def _describe_window(model, micro_batch, steps):
+    """The line `fit()` prints at its start: what one update is made of."""
+    n = model.gradient_accumulation_steps
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if micro_batch:
+        line = (
+            f"Gradient accumulation: {n} micro-batches of {micro_batch} "
+            f"samples per update = an effective batch of {n * micro_batch}"
+        )
+    else:
+        line = f"Gradient accumulation: {n} micro-batches per update"
+    if replicas > 1:
+        line += f", on {replicas} replicas"
+    if steps:
+        updates = -(-steps // n) if model.flush_at_epoch_end else steps / n
+        line += f"; {updates:g} updates per epoch of {steps} micro-batches"
+    return line + "."
+
+
+def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
+    """`callbacks` with the window's end first and last.
+
+    The window ends before any other callback sees an epoch's or the
+    training's end, and after all saw the last batch. Our `BackupAndRestore`
+    restores before other callbacks start and backs up after the window's
+    end.
+    """
+    micro_batch = _micro_batch_size(x, (fit_kwargs or {}).get("batch_size"))
+    first, last = [_WindowEnd(micro_batch)], [_LastWindowEnd()]
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        for callback in first + last:
+            callback.set_model(model)
+            callback.set_params(callbacks.params)
+        callbacks.callbacks[:0] = first
+        callbacks.callbacks.extend(last)
+        return callbacks
+    callbacks = list(callbacks or [])
+    backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
+    rest = [c for c in callbacks if c not in backups]
+    return first + backups + rest + last
+
+
+class _WindowEnd(keras.callbacks.Callback):
+    """Applies a partial window before other callbacks see an epoch's end.
+
+    Runs first. The last epoch's window is applied here even without
+    `flush_at_epoch_end`, so before Keras finalizes the weights (EMA), and
+    the epoch's `updates` log counts it. Also prints what an update is made
+    of when `fit()` starts.
+    """
+
+    def __init__(self, micro_batch=None):
+        super().__init__()
+        self.micro_batch = micro_batch
+
+    def on_train_begin(self, logs=None):
+        params = self.params or {}
+        if params.get("verbose", 0) != 0 and self.model.gradient_accumulator.accumulates:
+            print(_describe_window(self.model, self.micro_batch, params.get("steps")))
+
+    def on_epoch_end(self, epoch, logs=None):
+        epochs = self.params.get("epochs") if self.params else None
+        if (
+            self.model.flush_at_epoch_end
+            or self.model.stop_training
+            or (epochs is not None and epoch + 1 >= epochs)
+        ):
+            self.model.flush_gradients()
+        if logs is not None and "updates" in logs:
+            logs["updates"] = int(self.model.optimizer.iterations.numpy())
+
+    def on_train_end(self, logs=None):
+        self.model.flush_gradients()
+
+
+class _LastWindowEnd(keras.callbacks.Callback):
+    """Applies a partial window after the epoch's last batch, before validation.
+
+    Runs last: every callback sees the last batch as it left the train step.
+    For input of unknown length the train function ends the window when the
+    input runs out. A window carried over the epoch is applied here when a
+    callback stopped the training at the epoch's end.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = self.params.get("steps") if self.params else None
+        if self.model.flush_at_epoch_end and steps and batch + 1 >= steps:
+            self.model.flush_gradients()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.model.stop_training:
+            self.model.flush_gradients()

@@ -1,0 +1,265 @@
+"""keras-hub tasks: converted with `from_model()`, or subclassed.
+
+Tiny models built from config, with a vocabulary made here (nothing is
+downloaded). The reference is keras-hub's own task on the big batch.
+"""
+
+import keras
+import numpy as np
+import pytest
+from conftest import RTOL
+from conftest import assert_close_to_reference
+
+import keras_accum
+
+keras_hub = pytest.importorskip("keras_hub")
+
+GAM = keras_accum.GradientAccumulationModel
+MERGES = [
+    "Ġ a", "Ġ t", "Ġ i", "Ġ b", "a i", "p l", "n e", "Ġa t", "p o", "r t",
+    "Ġt h", "ai r", "pl a", "po rt", "Ġai r", "Ġa i", "pla ne",
+]
+# Very different lengths: micro-batches of 2 hold 16, 5, 10 and 3 tokens.
+TEXTS = [
+    "airplane at airport airplane",
+    "airplane at airport airport at",
+    "air",
+    "port",
+    "airplane airport",
+    "at airport air",
+    "plane",
+    "air",
+]
+SEQUENCE_LENGTH = 12
+
+
+def _vocabulary():
+    tokens = ["<|endoftext|>", "!"]
+    for merge in MERGES:
+        for token in merge.split(" ") + [merge.replace(" ", "")]:
+            for t in [token, *token]:
+                if t not in tokens:
+                    tokens.append(t)
+    return {t: i for i, t in enumerate(tokens)}
+
+
+def _gpt2(cls=None, seed=0, **kwargs):
+    """A tiny `GPT2CausalLM` (or `cls`) with its preprocessor."""
+    keras.utils.set_random_seed(seed)
+    tokenizer = keras_hub.models.GPT2Tokenizer(
+        vocabulary=_vocabulary(), merges=MERGES
+    )
+    preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
+        tokenizer, sequence_length=SEQUENCE_LENGTH
+    )
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=tokenizer.vocabulary_size(),
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=SEQUENCE_LENGTH,
+        dropout=0.0,
+    )
+    cls = cls or keras_hub.models.GPT2CausalLM
+    return cls(backbone=backbone, preprocessor=preprocessor, **kwargs)
+
+
+def _assert_window_equals_big_batch(case, initial, reference, ours):
+    """Relative update difference, per tensor, where the update is not 0.
+
+    The attention's key bias has a zero gradient (softmax does not see a
+    shift): its "update" is rounding noise (1e-22), compared in absolute
+    terms against the largest update instead.
+    """
+    reference = [np.asarray(w, np.float64) for w in reference.get_weights()]
+    ours = [np.asarray(w, np.float64) for w in ours.get_weights()]
+    largest = max(np.max(np.abs(r - w0)) for r, w0 in zip(reference, initial))
+    moving = [
+        i for i, (r, w0) in enumerate(zip(reference, initial))
+        if np.max(np.abs(r - w0)) > 1e-12 * largest
+    ]
+    for i in set(range(len(initial))) - set(moving):
+        assert np.max(np.abs(ours[i] - initial[i])) <= 1e-12 * largest
+    pick = lambda ws: [ws[i] for i in moving]  # noqa: E731
+    return assert_close_to_reference(
+        case, pick(initial), pick(reference), pick(ours), RTOL["float64"]
+    )
+
+
+def test_converted_task_stays_a_task():
+    task = _gpt2()
+    optimizer = task.optimizer  # keras-hub compiles in `__init__`
+    model = GAM.from_model(task, gradient_accumulation_steps=2)
+    assert model is task
+    assert isinstance(model, keras_hub.models.GPT2CausalLM)
+    assert isinstance(model, GAM)
+    assert model.preprocessor is not None
+    assert model.optimizer is optimizer
+    # Raw strings in, through the task's preprocessor.
+    history = model.fit(TEXTS, batch_size=2, epochs=2, verbose=0)
+    assert int(model.optimizer.iterations) == 4
+    assert history.history["updates"] == [2, 4]
+    assert isinstance(model.generate("air", max_length=6), str)
+    # `compile()` without arguments keeps keras-hub's defaults.
+    model.compile()
+    default = _gpt2(seed=1)
+    assert type(model.optimizer) is type(default.optimizer)
+    assert float(model.optimizer.learning_rate) == float(
+        default.optimizer.learning_rate
+    )
+    assert type(model.loss) is type(default.loss)
+
+
+def test_padded_language_model_window_equals_big_batch(float64):
+    # The preprocessor's padding mask is the sample weight. The mean over
+    # real tokens (`mean_with_sample_weight`) divides by their number, which
+    # differs per micro-batch: only an exact normaliser gives the big batch.
+    # (keras-hub's default loss divides by all positions: see the subclass
+    # test below.)
+    def compile_kwargs(steps=None):
+        return dict(
+            optimizer=keras.optimizers.SGD(
+                0.5, gradient_accumulation_steps=steps
+            ),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"
+            ),
+        )
+
+    reference = _gpt2()
+    ours = GAM.from_model(_gpt2(), gradient_accumulation_steps=4)
+    builtin = _gpt2()
+    initial = [np.array(w) for w in reference.get_weights()]
+    for model in (ours, builtin):
+        np.testing.assert_array_equal(model.get_weights()[0], initial[0])
+    reference.compile(**compile_kwargs())
+    reference.fit(TEXTS, batch_size=8, verbose=0)
+    ours.compile(**compile_kwargs())
+    ours.fit(TEXTS, batch_size=2, verbose=0)
+    builtin.compile(**compile_kwargs(steps=4))
+    builtin.fit(TEXTS, batch_size=2, verbose=0)
+    assert int(ours.optimizer.iterations) == 1
+    _assert_window_equals_big_batch(
+        "keras-hub GPT2CausalLM, mean over real tokens (from_model)",
+        initial, reference, ours,
+    )
+    # The case is sensitive: averaging micro-batch means is far off.
+    with pytest.raises(AssertionError):
+        _assert_window_equals_big_batch(
+            "keras-hub GPT2CausalLM, mean over real tokens, built-in option",
+            initial, reference, builtin,
+        )
+
+
+class AccumulatingGPT2(GAM, keras_hub.models.GPT2CausalLM):
+    """Multiple inheritance with a keras-hub task."""
+
+
+def test_subclass_of_a_task_keeps_every_class_intact(float64):
+    # keras-hub's `PipelineModel.__init__` resets its own bases on every
+    # instance (its workaround for Keras' rewrite); every other class must
+    # keep its bases.
+    bases = {
+        cls: cls.__bases__
+        for cls in (GAM, AccumulatingGPT2, *keras_hub.models.GPT2CausalLM.__mro__)
+        if cls.__name__ != "PipelineModel"
+    }
+    # keras-hub compiles in `__init__` (`compile=True`), before ours ran.
+    first = _gpt2(AccumulatingGPT2, gradient_accumulation_steps=4)
+    second = _gpt2(AccumulatingGPT2, gradient_accumulation_steps=4)
+    for model in (first, second):
+        assert isinstance(model, keras_hub.models.GPT2CausalLM)
+        assert model.optimizer is not None
+    changed = [cls for cls in bases if cls.__bases__ != bases[cls]]
+    assert not changed, [(c, bases[c], c.__bases__) for c in changed]
+
+    reference = _gpt2()
+    initial = [np.array(w) for w in reference.get_weights()]
+    reference.compile(optimizer=keras.optimizers.SGD(0.5))
+    reference.fit(TEXTS, batch_size=8, verbose=0)
+    second.compile(optimizer=keras.optimizers.SGD(0.5))
+    second.fit(TEXTS, batch_size=2, verbose=0)
+    _assert_window_equals_big_batch(
+        "keras-hub GPT2CausalLM, default loss (subclass)",
+        initial, reference, second,
+    )
+
+    # Plain subclasses of ours still work afterwards.
+    class Plain(GAM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    plain = Plain(gradient_accumulation_steps=2)
+    plain.compile(optimizer="sgd", loss="mse")
+    plain.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, verbose=0)
+    assert int(plain.optimizer.iterations) == 1
+
+
+def test_converted_task_saved_and_loaded(tmp_path):
+    model = GAM.from_model(_gpt2(), gradient_accumulation_steps=3)
+    model.fit(TEXTS[:4], batch_size=2, verbose=0)  # one window pending...
+    path = str(tmp_path / "gpt2.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, keras_hub.models.GPT2CausalLM)
+    assert isinstance(loaded, GAM)
+    assert loaded.gradient_accumulation_steps == 3
+    assert loaded.preprocessor is not None
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+        loaded.predict(["air at"], verbose=0),
+        model.predict(["air at"], verbose=0),
+    )
+    # ...applied when `fit()` ended: 1 update, and the optimizer goes on.
+    assert int(loaded.optimizer.iterations) == 1
+    loaded.fit(TEXTS[:6], batch_size=2, verbose=0)
+    assert int(loaded.optimizer.iterations) == 2
+
+
+def test_image_segmenter():
+    keras.utils.set_random_seed(0)
+    encoder = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 64],
+        stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2],
+        block_type="basic_block",
+        use_pre_activation=False,
+        image_shape=(32, 32, 3),
+    )
+    backbone = keras_hub.models.DeepLabV3Backbone(
+        image_encoder=encoder,
+        spatial_pyramid_pooling_key="P3",
+        upsampling_size=8,
+        dilation_rates=[1, 2],
+        image_shape=(32, 32, 3),
+    )
+    segmenter = keras_hub.models.DeepLabV3ImageSegmenter(
+        backbone=backbone, num_classes=3
+    )
+    model = GAM.from_model(segmenter, gradient_accumulation_steps=4)
+    assert isinstance(model, keras_hub.models.DeepLabV3ImageSegmenter)
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, ignore_class=255
+        ),
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 3, size=(16, 32, 32, 1))
+    y[:, :4] = 255  # an ignored band
+    moving = [w for w in model.weights if "moving_mean" in w.path][0]
+    before = np.array(moving)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    # BatchNormalization statistics move once per window (2 updates).
+    assert not np.allclose(before, np.array(moving))
+    assert model.predict(x[:2], verbose=0).shape == (2, 32, 32, 3)
