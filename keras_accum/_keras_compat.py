@@ -7,6 +7,7 @@ than training inexactly later.
 """
 
 import contextlib
+import re
 
 import keras
 import tensorflow as tf
@@ -20,6 +21,21 @@ def _missing(what):
         "'Compatibility' section for the tested versions."
     )
 
+
+# The oldest Keras the tests pass on (see the README's "Tested versions").
+MIN_KERAS = (3, 11)
+
+
+def _version(text):
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+if _version(keras.__version__) < MIN_KERAS:  # pragma: no cover
+    raise ImportError(
+        "keras_accum needs Keras >= "
+        f"{'.'.join(map(str, MIN_KERAS))}; Keras {keras.__version__} is "
+        "installed. Upgrade it with `pip install -U keras`."
+    )
 
 try:
     from keras.src.backend import compute_output_spec  # noqa: F401

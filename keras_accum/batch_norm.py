@@ -45,7 +45,7 @@ def window_batch_norm_layers(model):
             or not isinstance(layer, _BatchNormalization)
             or type(layer).call is not _BatchNormalization.call
             or not layer.trainable
-            or layer.renorm
+            or getattr(layer, "renorm", False)  # an attribute from Keras 3.14
         ):
             continue
         seen.add(id(layer))

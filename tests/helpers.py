@@ -6,6 +6,40 @@ import numpy as np
 import keras_accum
 
 
+def keras_version():
+    """This Keras' (major, minor) version."""
+    return tuple(int(part) for part in keras.__version__.split(".")[:2])
+
+
+# Keras before 3.13 divides a masked mean (the "sum_over_batch_size" and
+# "mean" reductions with `ignore_class` or a Keras mask) by the number of
+# valid elements plus `keras.config.epsilon()` (1e-7), not by the number:
+# `apply_mask()` in keras/src/losses/loss.py reads, up to Keras 3.12.4,
+#     mask *= total / (valid + backend.epsilon())
+# and from Keras 3.13.0
+#     mask *= ops.divide_no_nan(total, valid)
+# The big batch then divides its sum by `V + eps`, each micro-batch by
+# `v_k + eps`, and the window's normaliser is the exact `V = sum(v_k)`: the
+# two updates differ by about `eps / v_k` relative, at most `eps` when a
+# micro-batch holds one valid element or more. (Measured in float64 on
+# Keras 3.8 to 3.12: 1e-9 to 5e-9; with the epsilon set to 1e-300: 2e-15.)
+MASKED_MEAN_ADDS_EPSILON = keras_version() < (3, 13)
+
+
+def masked_mean_rtol(rtol, reduction="sum_over_batch_size"):
+    """The tolerance of an update whose loss is a masked mean.
+
+    `rtol`, unless this Keras adds its epsilon to the masked mean's divisor
+    (see above): then the epsilon, the most a micro-batch with one valid
+    element or more can be off by.
+    """
+    if MASKED_MEAN_ADDS_EPSILON and reduction in (
+        "mean", "sum_over_batch_size"
+    ):
+        return max(rtol, keras.config.epsilon())
+    return rtol
+
+
 def dense_net(num_classes=3, features=6, regularizer=None):
     """A small MLP: (features,) -> logits of `num_classes`."""
     inputs = keras.Input((features,))
