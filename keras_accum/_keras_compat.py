@@ -152,3 +152,95 @@ def functional_class_for(instance, functional_class):
         yield
     finally:
         model_module.inject_functional_model_class = original
+
+
+def call_for_training(model, x):
+    """The model's training forward pass, as Keras' `train_step` calls it."""
+    if model._call_has_training_arg:
+        return model(x, training=True)
+    return model(x)
+
+
+def compute_loss(model, *args, **kwargs):
+    """Keras' `Model._compute_loss` (compiled losses and regularisers)."""
+    return model._compute_loss(*args, **kwargs)
+
+
+def compile_loss(model):
+    """The model's `CompileLoss`, or `None` if it has no compiled loss."""
+    return getattr(model, "_compile_loss", None)
+
+
+def track_loss(model, loss, batch_size):
+    """Adds a step's (distribution-scaled) loss to the logged `loss`."""
+    model._loss_tracker.update_state(
+        unscale_loss_for_distribution(loss), sample_weight=batch_size
+    )
+
+
+class TrainerHooks:
+    """Overrides of private `keras.Model` methods; mixed in before it."""
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras averages a distributed batch over the replicas only to
+        # learn its shapes, which fails under `MultiWorkerMirroredStrategy`.
+        if self._distribute_strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        with self.distribute_strategy.scope():
+            self._symbolic_build(
+                data_batch=first_replica_batch(
+                    self.distribute_strategy, iterator
+                )
+            )
+
+
+def moments(layer):
+    """A `BatchNormalization` layer's `_moments(inputs, mask)`."""
+    return layer._moments
+
+
+_MISSING = object()
+
+
+class MomentsPatch:
+    """`_moments` and the moving statistics' `assign` of one layer, patched."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.users = 0
+        self._own_moments = layer.__dict__.get("_moments", _MISSING)
+        self._assigns = None  # [(variable, own `assign` attribute)]
+
+    def install_moments(self, moments):
+        object.__setattr__(self.layer, "_moments", moments)
+
+    def install_assign(self, make_assign):
+        if self._assigns is not None:
+            return
+        self._assigns = []
+        for variable in (self.layer.moving_mean, self.layer.moving_variance):
+            own = variable.__dict__.get("assign", _MISSING)
+            object.__setattr__(
+                variable, "assign", make_assign(self.layer, variable.assign)
+            )
+            self._assigns.append((variable, own))
+
+    def remove(self):
+        _restore(self.layer, "_moments", self._own_moments)
+        for variable, own in self._assigns or ():
+            _restore(variable, "assign", own)
+        self._assigns = None
+
+
+def _restore(obj, name, own):
+    if own is _MISSING:
+        object.__delattr__(obj, name)
+    else:
+        object.__setattr__(obj, name, own)
+
+
+def _restore(obj, name, own):
+    if own is _MISSING:
+        object.__delattr__(obj, name)
+    else:
+        object.__setattr__(obj, name, own)

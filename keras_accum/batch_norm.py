@@ -19,7 +19,6 @@ from keras_accum._tf_utils import current_graph
 from keras_accum._tf_utils import state_variable
 
 _BatchNormalization = keras_layers.BatchNormalization
-_MISSING = object()
 
 
 def window_batch_norm_layers(model):
@@ -228,7 +227,7 @@ def _concat(parts):
 
 
 def _count(layer, inputs, mask):
-    """Number of values per channel that `layer._moments` reduced over.
+    """Number of values per channel that the layer's moments reduced over.
 
     Always this replica's own count, also for `synchronized=True` layers,
     whose mean and variance are those of the global micro-batch: summed over
@@ -297,7 +296,7 @@ class WindowBatchNormStatistics(tf.Module):
         # not: (id(layer), call index) -> _Call, in creation order, ...
         self._groups = []  # _CallGroup, in creation order
         object.__setattr__(self, "_calls_by_key", {})
-        # ... `id(layer)` -> _LayerPatch, and values restored before their
+        # ... `id(layer)` -> compat.MomentsPatch, and values restored before their
         # group existed (see `restore`).
         object.__setattr__(self, "_patches", {})
         object.__setattr__(self, "_pending_state", {})
@@ -482,7 +481,7 @@ class WindowBatchNormStatistics(tf.Module):
             for layer in layers:
                 patch = self._patches.get(id(layer))
                 if patch is None:
-                    patch = _LayerPatch(layer)
+                    patch = compat.MomentsPatch(layer)
                     patch.install_moments(self._recording_moments(layer))
                     self._patches[id(layer)] = patch
                 patch.users += 1
@@ -497,14 +496,14 @@ class WindowBatchNormStatistics(tf.Module):
                     del self._patches[id(layer)]
 
     def _recording_moments(self, layer):
-        """`layer._moments`, recording each call's (count, mean, variance).
+        """The layer's moments, recording each call's (count, mean, variance).
 
         Calls in another thread's or no recording, and calls traced in
         another graph (Keras building a layer with a symbolic scratch call,
         or a call inside a `tf.cond` branch) are not recorded: their Keras
         updates are kept.
         """
-        original = layer._moments
+        original = compat.moments(layer)
 
         def _moments(inputs, mask):
             recording = getattr(self._local, "recording", None)
@@ -568,43 +567,6 @@ class _ForwardRecording:
             # Keras' per-call updates.
             self._has_trainable_weights = bool(self.model.trainable_weights)
         return self._has_trainable_weights
-
-
-class _LayerPatch:
-    """`_moments` and the moving statistics' `assign` of one layer, patched."""
-
-    def __init__(self, layer):
-        self.layer = layer
-        self.users = 0
-        self._own_moments = layer.__dict__.get("_moments", _MISSING)
-        self._assigns = None  # [(variable, own `assign` attribute)]
-
-    def install_moments(self, moments):
-        object.__setattr__(self.layer, "_moments", moments)
-
-    def install_assign(self, make_assign):
-        if self._assigns is not None:
-            return
-        self._assigns = []
-        for variable in (self.layer.moving_mean, self.layer.moving_variance):
-            own = variable.__dict__.get("assign", _MISSING)
-            object.__setattr__(
-                variable, "assign", make_assign(self.layer, variable.assign)
-            )
-            self._assigns.append((variable, own))
-
-    def remove(self):
-        _restore(self.layer, "_moments", self._own_moments)
-        for variable, own in self._assigns or ():
-            _restore(variable, "assign", own)
-        self._assigns = None
-
-
-def _restore(obj, name, own):
-    if own is _MISSING:
-        object.__delattr__(obj, name)
-    else:
-        object.__setattr__(obj, name, own)
 
 
 def _update_from_replicas(distribution, groups):

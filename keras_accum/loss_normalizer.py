@@ -16,6 +16,7 @@ in Keras, so what the model logs and differentiates is unchanged.
 """
 
 import contextlib
+import functools
 import threading
 import warnings
 
@@ -183,7 +184,7 @@ def install(model, x, y, y_pred, sample_weight):
     call; it is built here first, symbolically (no side effects), as Keras'
     own `_symbolic_build` does. Idempotent.
     """
-    compile_loss = model._compile_loss
+    compile_loss = compat.compile_loss(model)
     if compile_loss is None:
         return
     if not compile_loss.built:
@@ -194,7 +195,7 @@ def install(model, x, y, y_pred, sample_weight):
             return keras.KerasTensor(value.shape, value.dtype)
 
         compat.compute_output_spec(
-            model._compute_loss,
+            functools.partial(compat.compute_loss, model),
             tree.map_structure(spec, x),
             tree.map_structure(spec, y),
             tree.map_structure(spec, y_pred),

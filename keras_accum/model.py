@@ -150,7 +150,7 @@ def _flush_function(model):
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
-class GradientAccumulationModel(keras.Model):
+class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     """A `keras.Model` that applies one update every N micro-batches.
 
     `fit()` feeds micro-batches as usual; every `gradient_accumulation_steps`
@@ -377,18 +377,6 @@ class GradientAccumulationModel(keras.Model):
                 if self.built and self.trainable_variables:
                     optimizer.build(self.trainable_variables)
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras averages a distributed batch over the replicas only to learn
-        # its shapes, which fails under `MultiWorkerMirroredStrategy`.
-        if self._distribute_strategy is None or iterator is None:
-            return super()._maybe_symbolic_build(iterator, data_batch)
-        with self.distribute_strategy.scope():
-            self._symbolic_build(
-                data_batch=compat.first_replica_batch(
-                    self.distribute_strategy, iterator
-                )
-            )
-
     def fit(self, x=None, *args, callbacks=None, **kwargs):
         callbacks = with_window_callbacks(self, callbacks, x, kwargs)
         return super().fit(x, *args, callbacks=callbacks, **kwargs)
@@ -422,20 +410,14 @@ class GradientAccumulationModel(keras.Model):
         with tf.GradientTape() as tape:
             # BatchNormalization moving statistics: once per window.
             with self._batch_norm_statistics.record(self):
-                if self._call_has_training_arg:
-                    y_pred = self(x, training=True)
-                else:
-                    y_pred = self(x)
+                y_pred = compat.call_for_training(self, x)
             loss_normalizer.install(self, x, y, y_pred, sample_weight)
             with loss_normalizer.record_loss_terms() as recording:
-                loss = self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                    training=True,
+                loss = compat.compute_loss(
+                    self, x=x, y=y, y_pred=y_pred,
+                    sample_weight=sample_weight, training=True,
                 )
-            self._loss_tracker.update_state(
-                compat.unscale_loss_for_distribution(loss),
-                sample_weight=batch_size,
-            )
+            compat.track_loss(self, loss, batch_size)
             if self.optimizer is not None:
                 loss = self.optimizer.scale_loss(loss)
 

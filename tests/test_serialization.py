@@ -101,9 +101,12 @@ def test_functional_use_of_a_subclass_leaves_the_base_alone():
         def call(self, inputs):
             return self.dense(inputs)
 
+    bases = keras_accum.GradientAccumulationModel.__bases__
     functional_model = Functionally(*dense_net(), gradient_accumulation_steps=2)
     assert isinstance(functional_model, keras.src.models.Functional)
-    assert keras_accum.GradientAccumulationModel.__bases__ == (keras.Model,)
+    assert isinstance(functional_model, Functionally)
+    assert keras_accum.GradientAccumulationModel.__bases__ == bases
+    assert Functionally.__bases__ == (keras_accum.GradientAccumulationModel,)
     model = Subclassed(2, gradient_accumulation_steps=2)
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.ones((4, 3)), np.zeros((4, 2)), batch_size=2, verbose=0)
