@@ -3,8 +3,9 @@
 Import this module before TensorFlow so that the logging level is set in time.
 It defines the two benchmark networks (a small conv net and a U-Net), the
 synthetic data, the model/optimizer factories for the three configurations
-being compared (plain ``keras.Model``, ``GradientAccumulationModel`` and the
-built-in ``gradient_accumulation_steps`` optimizer option), plus small
+being compared (plain ``keras.Model``, ``GradientAccumulationModel`` across
+train steps or within one step with ``micro_batch_size``, and the built-in
+``gradient_accumulation_steps`` optimizer option), plus small
 statistics and Markdown-table utilities.
 """
 
@@ -247,7 +248,11 @@ def make_data(spec, batch_size, num_batches=4, seed=0):
 # --------------------------------------------------------------------------
 # Configurations
 # --------------------------------------------------------------------------
-def config_label(kind, n):
+def config_label(kind, n, micro_batch_size=None):
+    if kind == "ours-instep":
+        b = "B" if micro_batch_size is None else str(micro_batch_size)
+        return (f"GradientAccumulationModel(micro_batch_size={b}) in-step, "
+                f"batch {n}x{b}")
     if kind == "plain":
         return "plain keras.Model" if n in (None, 1) else f"plain keras.Model, batch x{n}"
     if kind == "ours":
@@ -259,11 +264,16 @@ def config_label(kind, n):
     raise ValueError(kind)
 
 
-def build_model(spec, kind, n=1, jit_compile=False, weights=None):
+def build_model(spec, kind, n=1, jit_compile=False, weights=None,
+                micro_batch_size=None):
     """Build and compile one configuration.
 
     kind: "plain"     -> keras.Model, plain SGD
           "ours"      -> GradientAccumulationModel(..., gradient_accumulation_steps=n)
+          "ours-instep" -> GradientAccumulationModel(...,
+                         micro_batch_size=micro_batch_size): each train step
+                         splits its batch (fed as n * micro_batch_size rows)
+                         into n micro-batches and applies one update
           "ours-nobn" -> the same with window_batch_norm=False (BatchNormalization
                          moving statistics updated per micro-batch, as Keras does)
           "builtin"   -> keras.Model, SGD(..., gradient_accumulation_steps=n)
@@ -280,6 +290,14 @@ def build_model(spec, kind, n=1, jit_compile=False, weights=None):
         extra = {"window_batch_norm": False} if kind == "ours-nobn" else {}
         model = GradientAccumulationModel(
             inputs, outputs, gradient_accumulation_steps=n, **extra
+        )
+    elif kind == "ours-instep":
+        if GradientAccumulationModel is None:
+            raise RuntimeError(f"keras_accum not importable: {ACCUM_IMPORT_ERROR}")
+        if micro_batch_size is None:
+            raise ValueError("ours-instep needs micro_batch_size")
+        model = GradientAccumulationModel(
+            inputs, outputs, micro_batch_size=micro_batch_size
         )
     elif kind == "builtin":
         model = keras.Model(inputs, outputs)

@@ -3,7 +3,10 @@ across precision policies and XLA on/off, on a realistically sized U-Net.
 
 Default: U-Net 256x256x3 (base 32 filters, depth 4, ~7.8M parameters),
 micro-batch B=16; configurations plain ``keras.Model``,
-``GradientAccumulationModel`` N=4 and N=8; policies float32, mixed_float16,
+``GradientAccumulationModel`` N=4 and N=8 (across train steps) and
+``GradientAccumulationModel(micro_batch_size=B)`` fed batches of 8*B rows
+("in-step": 8 micro-batches in a ``tf.while_loop`` inside each train step,
+one update per step; ``--in-step-ns``); policies float32, mixed_float16,
 mixed_bfloat16; ``jit_compile`` off and on. Target: under 5 minutes on one
 GPU (e.g. one H200).
 
@@ -22,6 +25,8 @@ interleaved rounds of ``--steps`` micro-batches (``model.train_function``
 on a persistent iterator over an in-memory repeated dataset; the clock stops
 after the last step's results reach the host). Reported: median ms per
 micro-batch (min-max over rounds) and the median of per-round ratios to plain.
+The in-step configuration counts micro-batches too (``--steps / N`` calls of
+N micro-batches), so its rows compare directly with plain at batch B.
 
 Without a GPU it prints a note and runs on CPU (use ``--quick``: tiny U-Net);
 memory is then TF's CPU tensor memory (BFC allocator enabled for the child).
@@ -44,8 +49,9 @@ import time
 RESULT_TAG = "GPU_BENCH_RESULT "
 
 
-def configs(ns):
-    return [("plain", 1)] + [("ours", n) for n in ns]
+def configs(ns, instep_ns=()):
+    return ([("plain", 1)] + [("ours", n) for n in ns]
+            + [("ours-instep", n) for n in instep_ns])
 
 
 def unet_spec(args):
@@ -71,11 +77,14 @@ def run_child(args):
     on_gpu = bool(common.gpus())
     device = "GPU:0" if on_gpu else "CPU:0"
     keras.mixed_precision.set_global_policy(args.policy)
-    ns = [int(v) for v in args.ns.split(",")]
+    ns = [int(v) for v in args.ns.split(",") if v.strip()]
+    instep_ns = [int(v) for v in args.in_step_ns.split(",") if v.strip()]
     xla_modes = [m.strip() == "on" for m in args.xla.split(",")]
     spec = unet_spec(args)
     weights = common.reference_weights(spec, seed=args.seed)
     dataset = common.make_data(spec, args.batch, num_batches=2, seed=args.seed)
+    instep_data = {n: common.make_data(spec, n * args.batch, num_batches=2,
+                                       seed=args.seed) for n in instep_ns}
 
     def mem():
         try:
@@ -89,9 +98,10 @@ def run_child(args):
         except (ValueError, RuntimeError):
             pass
 
-    def run(model, iterator, steps):
+    def run(model, iterator, steps, per_call=1):
+        """`steps` micro-batches: steps / per_call train-function calls."""
         logs = None
-        for _ in range(steps):
+        for _ in range(max(1, steps // per_call)):
             logs = model.train_function(iterator)
         common.sync(model, logs)
 
@@ -99,29 +109,34 @@ def run_child(args):
     if not common.have_accum():
         print("keras_accum not importable: only plain rows", file=sys.stderr)
     for jit in xla_modes:
-        for kind, n in configs(ns):
-            if kind == "ours" and not common.have_accum():
+        for kind, n in configs(ns, instep_ns):
+            if kind.startswith("ours") and not common.have_accum():
                 continue
+            instep = kind == "ours-instep"
+            per_call = n if instep else 1
+            data = instep_data[n] if instep else dataset
             t0 = time.perf_counter()
-            model = common.build_model(spec, kind, n, jit, weights)
+            model = common.build_model(spec, kind, n, jit, weights,
+                                       micro_batch_size=args.batch if instep else None)
             gc.collect()
             info = mem()
             baseline = info["current"] if info else None
             reset()
             warm = args.warmup // 2
-            model.fit(dataset, steps_per_epoch=warm, epochs=1, verbose=0, shuffle=False)
-            iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
-            run(model, iterator, args.warmup - warm)
+            model.fit(data, steps_per_epoch=max(1, warm // per_call), epochs=1,
+                      verbose=0, shuffle=False)
+            iterator = iter(model.distribute_strategy.experimental_distribute_dataset(data))
+            run(model, iterator, args.warmup - warm, per_call)
             info = mem()
             first_peak = info["peak"] if info else None
             reset()
-            run(model, iterator, args.steps)
+            run(model, iterator, args.steps, per_call)
             info = mem()
             steady_peak = info["peak"] if info else None
             retained = info["current"] if info else None
             entries.append({
                 "policy": args.policy, "xla": jit, "kind": kind, "n": n,
-                "model": model, "iterator": iterator,
+                "model": model, "iterator": iterator, "per_call": per_call,
                 "warmup_s": time.perf_counter() - t0,
                 "baseline": baseline,
                 "first_peak": first_peak, "steady_peak": steady_peak,
@@ -141,7 +156,7 @@ def run_child(args):
             gc.disable()
             try:
                 t0 = time.perf_counter()
-                run(e["model"], e["iterator"], args.steps)
+                run(e["model"], e["iterator"], args.steps, e["per_call"])
                 e["times"].append(time.perf_counter() - t0)
             finally:
                 gc.enable()
@@ -165,6 +180,10 @@ def main(argv=None):
     parser.add_argument("--policies", default="float32,mixed_float16,mixed_bfloat16")
     parser.add_argument("--xla", default="off,on", help="comma list from: off, on")
     parser.add_argument("--ns", default="4,8", help="accumulation steps for ours")
+    parser.add_argument("--in-step-ns", default="8",
+                        help="micro-batches per train step for "
+                             "GradientAccumulationModel(micro_batch_size=B), fed "
+                             "N*B rows (default 8; '' for none)")
     parser.add_argument("--size", type=int, default=None, help="input side (default 256)")
     parser.add_argument("--batch", type=int, default=None, help="micro-batch (default 16)")
     parser.add_argument("--base-filters", type=int, default=None, help="default 32")
@@ -191,7 +210,8 @@ def main(argv=None):
     args.rounds = args.rounds or (2 if q else 5)
     args.steps = args.steps or (8 if q else 32)
     args.warmup = args.warmup or 16
-    ns = [int(v) for v in args.ns.split(",")]
+    ns = [int(v) for v in args.ns.split(",") if v.strip()]
+    ns += [int(v) for v in args.in_step_ns.split(",") if v.strip()]
     if args.steps % max(ns) or args.warmup % (2 * max(ns)):
         parser.error("--steps must be a multiple of max(N), --warmup of 2*max(N)")
 
@@ -214,7 +234,8 @@ def main(argv=None):
     if not on_gpu:
         child_env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     passthrough = [
-        "--xla", args.xla, "--ns", args.ns, "--size", str(args.size),
+        "--xla", args.xla, "--ns", args.ns, "--in-step-ns", args.in_step_ns,
+        "--size", str(args.size),
         "--batch", str(args.batch), "--base-filters", str(args.base_filters),
         "--depth", str(args.depth), "--rounds", str(args.rounds),
         "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -262,7 +283,7 @@ def main(argv=None):
 
             rows.append([
                 policy, "on" if e["xla"] else "off",
-                common.config_label(e["kind"], e["n"]),
+                common.config_label(e["kind"], e["n"], args.batch),
                 common.fmt(common.median(ms), 2),
                 f"{common.fmt(min(ms), 2)}–{common.fmt(max(ms), 2)}",
                 common.fmt(common.median(ratio), 3),
@@ -293,7 +314,7 @@ def main(argv=None):
         "environment": env,
         "settings": {k: getattr(args, k) for k in (
             "size", "batch", "base_filters", "depth", "rounds", "steps", "warmup",
-            "xla", "ns", "quick")},
+            "xla", "ns", "in_step_ns", "quick")},
         "results": per_policy,
         "failures": failures,
         "total_seconds": total,

@@ -5,6 +5,9 @@ Configurations (U-Net, micro-batch B, N in {2, 4, 8, 16}):
   * plain ``keras.Model`` at batch N*B               (what accumulation avoids)
   * ``GradientAccumulationModel`` at (B, N)
   * built-in ``SGD(gradient_accumulation_steps=N)`` at (B, N)
+  * ``GradientAccumulationModel(micro_batch_size=B)`` fed batches of S = N*B
+    rows ("in-step": N micro-batches inside each train step, one update per
+    step), N in {2, 8, 32}
 
 Every configuration runs in a new child process (this script re-executes
 itself with ``--child``), so allocator state never leaks between them. In the
@@ -26,16 +29,22 @@ the baseline; train with ``model.fit``; then read the peak.
   "Training-attributable" = peak - baseline.
 
 B-sized configurations train ``--steps`` micro-batches (default 32: two full
-windows at N=16); plain N*B trains 3 steps of N*B samples. All use SGD
-(lr=1e-3, momentum=0.9), identical initial weights and synthetic data.
+windows at N=16); plain N*B trains 3 steps of N*B samples; in-step trains
+max(2, steps / N) steps of N*B rows, from one distinct cached batch (so the
+data held is exactly one input batch). All use SGD (lr=1e-3, momentum=0.9),
+identical initial weights and synthetic data.
 
-Goal reported: training-attributable peak of ours at (B, N)
-    <= 1.05 * (plain at B + one float32 copy of the trainable parameters).
+Goals reported: training-attributable peak of ours at (B, N)
+    <= 1.05 * (plain at B + one float32 copy of the trainable parameters);
+of in-step at (B, N)
+    <= plain at B + one float32 copy of the parameters + the input batch
+       (S rows of inputs and labels), and flat as N grows.
 
 Usage:
     python benchmarks/memory.py
     python benchmarks/memory.py --quick
     python benchmarks/memory.py --json benchmarks/results/memory_cpu.json
+    python benchmarks/memory.py --in-step-only --in-step-ns 2,8,32
 """
 
 import argparse
@@ -85,21 +94,30 @@ def run_child(args):
     kind, n = args.kind, args.n
     # Identical initial weights in every child.
     weights = common.reference_weights(spec, seed=args.seed)
+    num_batches = 2
     if kind == "plain-large":
         model = common.build_model(spec, "plain", 1, args.jit, weights)
         batch, steps = n * args.batch, args.large_steps
+    elif kind == "ours-instep":
+        model = common.build_model(spec, kind, n, args.jit, weights,
+                                   micro_batch_size=args.batch)
+        batch, steps = n * args.batch, max(2, args.steps // n)
+        num_batches = 1
     else:
         model = common.build_model(spec, kind, n, args.jit, weights)
         batch, steps = args.batch, args.steps
     del weights
     n_params, param_bytes = common.trainable_param_bytes(model)
-    dataset = common.make_data(spec, batch, num_batches=2, seed=args.seed)
+    dataset = common.make_data(spec, batch, num_batches=num_batches, seed=args.seed)
     gc.collect()
-
+    side = spec["input_shape"][0] * spec["input_shape"][1]
     record = {
         "kind": kind, "n": n, "batch": batch, "steps": steps,
         "samples_per_update": (
             batch * (n if kind in ("ours", "builtin") else 1)),
+        # One batch of float32 inputs (HxWx3) and int32 labels (HxW).
+        "input_batch_bytes": batch * side * (3 * 4 + 4),
+        "cached_batches": num_batches,
         "trainable_params": n_params, "param_bytes": param_bytes,
         "device": "GPU" if on_gpu else "CPU", "jit_compile": args.jit,
         "metrics": {},
@@ -240,6 +258,11 @@ def main(argv=None):
     parser.add_argument("--intra", type=int, default=None)
     parser.add_argument("--inter", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in-step-ns", default="2,8,32",
+                        help="N for GradientAccumulationModel(micro_batch_size=B) "
+                             "fed N*B rows per step (default 2,8,32; '' for none)")
+    parser.add_argument("--in-step-only", action="store_true",
+                        help="plain at B and the in-step configurations only")
     parser.add_argument("--json", default=None, help="write raw results here")
     # child-only
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -250,13 +273,16 @@ def main(argv=None):
     args.size = args.size or (32 if args.quick else 64)
     args.steps = args.steps or (8 if args.quick else 32)
     ns = [int(v) for v in (args.ns or ("2,4" if args.quick else "2,4,8,16")).split(",")]
+    if args.in_step_only:
+        ns = []
+    instep_ns = [int(v) for v in args.in_step_ns.split(",") if v.strip()]
 
     if args.child:
         return run_child(args)
 
     import common
 
-    if args.steps % max(ns):
+    if ns and args.steps % max(ns):
         parser.error("--steps must be a multiple of every N (complete windows)")
     intra, inter = common.configure_threads(args.intra, args.inter)
     env = common.environment(intra, inter)
@@ -270,6 +296,8 @@ def main(argv=None):
         if have_ours:
             plan.append(("ours", n))
         plan.append(("builtin", n))
+    if have_ours:
+        plan += [("ours-instep", n) for n in instep_ns]
     print(f"\nRunning {len(plan) * args.repeats} child processes "
           f"(U-Net {args.size}x{args.size}, base {args.base_filters}, "
           f"depth {args.depth}, B={args.batch}) ...", flush=True)
@@ -290,10 +318,13 @@ def main(argv=None):
         "plain-large": None,
         "ours": f"GradientAccumulationModel, B={args.batch}",
         "builtin": f"built-in SGD(gradient_accumulation_steps), B={args.batch}",
+        "ours-instep": f"GradientAccumulationModel(micro_batch_size={args.batch}) "
+                       "in-step, batch N x B",
     }
     metrics = list(ref["metrics"])  # gpu | tensors, then rss
     limits = {}
     goal_rows = {}
+    instep_goal = {}  # metric -> [(n, attributable, limit, ok)]
     for metric in metrics:
         ref_m = ref["metrics"][metric]
         limit = 1.05 * (ref_m["attributable"] + param_bytes)
@@ -307,7 +338,16 @@ def main(argv=None):
                 continue
             m = rec["metrics"][metric]
             check = ""
-            if kind in ("ours", "builtin"):
+            if kind == "ours-instep":
+                instep_limit = (ref_m["attributable"] + param_bytes
+                                + rec["input_batch_bytes"])
+                ok = m["attributable"] <= instep_limit
+                check = (f"{'met' if ok else 'MISSED'} ({MiB(m['attributable'])} vs "
+                         f"{MiB(instep_limit)}, in-step limit)")
+                instep_goal.setdefault(metric, []).append(
+                    (n, m["attributable"], instep_limit, ok,
+                     rec["input_batch_bytes"]))
+            elif kind in ("ours", "builtin"):
                 ok = m["attributable"] <= limit
                 check = f"{'met' if ok else 'MISSED'} ({MiB(m['attributable'])} vs {MiB(limit)})"
                 if kind == "ours":
@@ -346,6 +386,27 @@ def main(argv=None):
                 row += [MiB(value), MiB(limits[metric]), "met" if ok else "MISSED"]
             rows.append(row)
         print(common.markdown_table(headers, rows))
+    if instep_goal:
+        print("\n### Goal: in-step(B, N) training-attributable <= plain(B) + one "
+              "float32 copy of the parameters + the input batch (N*B rows), "
+              "and flat as N grows\n")
+        rows = []
+        for metric in metrics:
+            entries = instep_goal.get(metric, [])
+            for n, value, limit, ok, batch_bytes in entries:
+                rows.append([metric, n, f"{n * args.batch}", MiB(batch_bytes),
+                             MiB(value), MiB(limit), "met" if ok else "MISSED",
+                             common.fmt(value / ref["metrics"][metric]["attributable"], 2)])
+            if len(entries) > 1:
+                lo = min(e[1] for e in entries)
+                hi = max(e[1] for e in entries)
+                rows.append([metric, "spread over N", "", "",
+                             f"{MiB(hi - lo)} ({MiB(lo)}–{MiB(hi)})", "", "", ""])
+        print(common.markdown_table(
+            ["measure", "N", "rows per step", "input batch (MiB)",
+             "in-step attributable (MiB)", "limit (MiB)", "result",
+             "vs plain B"], rows,
+            align=["l", "r", "r", "r", "r", "r", "l", "r"]))
     total = time.perf_counter() - t_start
     print(f"\nTotal benchmark time: {total:.0f} s")
     common.write_json(args.json, {
@@ -353,7 +414,8 @@ def main(argv=None):
         "environment": env,
         "settings": {
             "size": args.size, "base_filters": args.base_filters, "depth": args.depth,
-            "batch": args.batch, "ns": ns, "steps": args.steps,
+            "batch": args.batch, "ns": ns, "in_step_ns": instep_ns,
+            "steps": args.steps,
             "large_steps": args.large_steps, "repeats": args.repeats,
             "jit_compile": args.jit, "quick": args.quick,
             "cpu_allocator": args.cpu_allocator, "metrics": metrics,

@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"plain-aa": "#999999", "ours": "#1f77b4", "ours-nobn": "#9ecae1",
-          "builtin": "#ff7f0e",
+          "builtin": "#ff7f0e", "ours-instep": "#9467bd",
           "plain-large": "#d62728", "plain": "#2ca02c"}
 MEMORY_TITLES = {"gpu": "GPU memory (get_memory_info)",
                  "tensors": "TF tensor memory (CPU, BFC)",
@@ -40,6 +40,8 @@ def short_label(entry):
         return f"built-in N={n}"
     if kind == "ours-nobn":
         return f"ours N={n}, no window BN"
+    if kind == "ours-instep":
+        return f"ours in-step N={n}"
     return kind
 
 
@@ -82,7 +84,7 @@ def plot_throughput(ax, data):
 
 def plot_memory(ax, data, metric):
     settings = data["settings"]
-    ns = settings["ns"]
+    ns = sorted(set(settings["ns"]) | set(settings.get("in_step_ns", [])))
     rec = {(r["kind"], r["n"]): r for r in data["results"] if "error" not in r}
     MiB = 2.0**20
 
@@ -96,7 +98,9 @@ def plot_memory(ax, data, metric):
 
     for kind, name in (("plain-large", "plain, batch N*B"),
                        ("ours", "GradientAccumulationModel (B, N)"),
-                       ("builtin", "built-in SGD(gradient_accumulation_steps=N)")):
+                       ("builtin", "built-in SGD(gradient_accumulation_steps=N)"),
+                       ("ours-instep", "GradientAccumulationModel(micro_batch_size=B), "
+                                       "batch N*B")):
         xs, ys = series(kind)
         if xs:
             ax.plot(xs, ys, marker="o", color=COLORS[kind], label=name)

@@ -6,15 +6,25 @@ Compares, at the same micro-batch size B:
   * ``GradientAccumulationModel`` with N in {1, 4, 8, 16},
   * the built-in ``keras.optimizers.SGD(gradient_accumulation_steps=N)``
     with N in {4, 8, 16},
-in graph mode and with ``jit_compile=True`` (XLA), on a small conv net
-(32x32x3, B=32) and a small U-Net (64x64x3, base 8 filters, B=8).
+  * ``GradientAccumulationModel(micro_batch_size=B)`` fed batches of N*B
+    rows ("in-step": each train step runs N micro-batches in a
+    ``tf.while_loop`` and applies one update), N in {8} by default,
+in graph mode and with ``jit_compile=True`` (XLA), on a dense network
+(1024 features, B=8), a small conv net (32x32x3, B=32) and a small U-Net
+(64x64x3, base 8 filters, B=8).
+
+All rates are micro-batches (of B rows) per second, whatever the number of
+micro-batches one train step runs, so the in-step configuration compares
+directly with plain ``keras.Model`` at batch B.
 
 Method: every configuration lives in this one process. All models of one
 network start from identical weights. Each is warmed up first (tracing /
 XLA compilation excluded from timing). Then ``--rounds`` interleaved rounds
 follow; in each round every configuration (in a shuffled order) runs
-``--steps`` micro-batches (a multiple of 16, so every accumulation window is
-complete) by calling ``model.train_function`` on a persistent iterator over
+``--steps`` micro-batches (a multiple of 16 and of every in-step N, so every
+accumulation window is complete; the in-step configuration makes
+``--steps / N`` calls of N micro-batches each) by calling
+``model.train_function`` on a persistent iterator over
 an in-memory, repeated ``tf.data`` dataset (``--via fit`` uses
 ``model.fit(steps_per_epoch=...)`` instead). The clock stops after the
 results of the last step have been fetched to the host. Besides wall time,
@@ -26,6 +36,7 @@ Usage:
     python benchmarks/throughput.py                # full run
     python benchmarks/throughput.py --quick        # fast sanity run
     python benchmarks/throughput.py --json benchmarks/results/throughput_cpu.json
+    python benchmarks/throughput.py --in-step-only --networks mlp,unet   # in-step
 """
 
 import argparse
@@ -42,6 +53,10 @@ from common import fmt, markdown_table, median
 WARMUP_STEPS = 16  # multiple of 16 -> windows start on an accumulation boundary
 OURS_N = (1, 4, 8, 16)
 BUILTIN_N = (4, 8, 16)
+# In-step micro-batches/s over plain keras.Model at batch B (median of
+# per-round ratios): the overhead-bound dense network should gain from fewer
+# updates and host round trips; the others should not lose.
+INSTEP_GOAL = {"mlp": 1.5, "convnet": 0.98, "unet": 0.98}
 
 
 def network_specs(args):
@@ -72,26 +87,36 @@ def network_specs(args):
     }
 
 
-def configurations(have_ours, ours_n=OURS_N, builtin_n=BUILTIN_N, nobn_n=()):
+def configurations(have_ours, ours_n=OURS_N, builtin_n=BUILTIN_N, nobn_n=(),
+                   instep_n=()):
     configs = [("plain", 1), ("plain-aa", 1)]
     if have_ours:
         configs += [("ours", n) for n in ours_n]
         configs += [("ours-nobn", n) for n in nobn_n]
+        configs += [("ours-instep", n) for n in instep_n]
     configs += [("builtin", n) for n in builtin_n]
     return configs
 
 
-def label(kind, n):
+def label(kind, n, micro_batch_size=None):
     if kind == "plain-aa":
         return "plain keras.Model (A/A control)"
-    return common.config_label(kind, n)
+    return common.config_label(kind, n, micro_batch_size)
 
 
 class Runner:
-    def __init__(self, model, dataset, via):
+    """Runs a configuration for a number of micro-batches.
+
+    ``micro_per_call``: micro-batches one train step runs (N for the in-step
+    configuration, fed batches of N*B rows; 1 otherwise). ``run(steps)``
+    always counts micro-batches and makes ``steps / micro_per_call`` calls.
+    """
+
+    def __init__(self, model, dataset, via, micro_per_call=1):
         self.model = model
         self.dataset = dataset
         self.via = via
+        self.micro_per_call = micro_per_call
         self.iterator = None
 
     def warm_up(self):
@@ -99,8 +124,8 @@ class Runner:
         # fit() performs the symbolic build (optimizer / accumulator
         # variables) and traces/compiles the train function.
         self.model.fit(
-            self.dataset, steps_per_epoch=WARMUP_STEPS, epochs=1, verbose=0,
-            shuffle=False,
+            self.dataset, steps_per_epoch=max(1, WARMUP_STEPS // self.micro_per_call),
+            epochs=1, verbose=0, shuffle=False,
         )
         strategy = self.model.distribute_strategy
         self.iterator = iter(strategy.experimental_distribute_dataset(self.dataset))
@@ -108,16 +133,17 @@ class Runner:
         return time.perf_counter() - t0
 
     def run(self, steps):
+        calls = max(1, steps // self.micro_per_call)
         if self.via == "fit":
             history = self.model.fit(
-                self.dataset, steps_per_epoch=steps, epochs=1, verbose=0,
+                self.dataset, steps_per_epoch=calls, epochs=1, verbose=0,
                 shuffle=False,
             )
             common.sync(self.model)
             return history
         logs = None
         train_function = self.model.train_function
-        for _ in range(steps):
+        for _ in range(calls):
             logs = train_function(self.iterator)
         common.sync(self.model, logs)
         return logs
@@ -158,10 +184,19 @@ def main(argv=None):
                         help="comma list from: mlp, convnet, unet")
     parser.add_argument("--modes", default="graph,xla",
                         help="comma list from: graph, xla")
-    parser.add_argument("--ours-n", default="1,4,8,16",
-                        help="N values for GradientAccumulationModel (default 1,4,8,16)")
-    parser.add_argument("--builtin-n", default="4,8,16",
-                        help="N values for the built-in optimizer option (default 4,8,16)")
+    parser.add_argument("--ours-n", default=None,
+                        help="N values for GradientAccumulationModel across train "
+                             "steps (default 1,4,8,16; none with --in-step-only)")
+    parser.add_argument("--builtin-n", default=None,
+                        help="N values for the built-in optimizer option "
+                             "(default 4,8,16; none with --in-step-only)")
+    parser.add_argument("--in-step-n", default="8",
+                        help="N values for GradientAccumulationModel(micro_batch_size=B) "
+                             "fed batches of N*B rows (default 8; '' for none)")
+    parser.add_argument("--in-step-only", action="store_true",
+                        help="focused run: plain, A/A control and the in-step "
+                             "configuration only (unless --ours-n / --builtin-n "
+                             "are given)")
     parser.add_argument("--window-bn-off-n", default="",
                         help="also time GradientAccumulationModel(window_batch_norm="
                              "False) at these N (e.g. 4,16); shows the cost of the "
@@ -181,6 +216,14 @@ def main(argv=None):
     args.unet_size = args.unet_size or (32 if args.quick else 64)
     if args.steps % 16:
         parser.error("--steps must be a multiple of 16 (complete windows)")
+    if args.ours_n is None:
+        args.ours_n = "" if args.in_step_only else "1,4,8,16"
+    if args.builtin_n is None:
+        args.builtin_n = "" if args.in_step_only else "4,8,16"
+    instep_n = tuple(int(v) for v in args.in_step_n.split(",") if v.strip())
+    for n in instep_n:
+        if args.steps % n:
+            parser.error(f"--steps must be a multiple of every --in-step-n ({n})")
 
     intra, inter = common.configure_threads(args.intra, args.inter)
     common.enable_memory_growth()
@@ -194,7 +237,7 @@ def main(argv=None):
     ours_n = tuple(int(v) for v in args.ours_n.split(",") if v.strip())
     builtin_n = tuple(int(v) for v in args.builtin_n.split(",") if v.strip())
     nobn_n = tuple(int(v) for v in args.window_bn_off_n.split(",") if v.strip())
-    configs = configurations(have_ours, ours_n, builtin_n, nobn_n)
+    configs = configurations(have_ours, ours_n, builtin_n, nobn_n, instep_n)
     t_start = time.perf_counter()
 
     # ---- build everything first, identical weights per network ----------
@@ -203,16 +246,25 @@ def main(argv=None):
         spec = specs[net]
         weights = common.reference_weights(spec, seed=args.seed)
         dataset = common.make_data(spec, spec["batch_size"], seed=args.seed)
+        instep_data = {
+            n: common.make_data(spec, n * spec["batch_size"], seed=args.seed)
+            for n in instep_n
+        }
         for mode in modes:
             for kind, n in configs:
+                instep = kind == "ours-instep"
                 model = common.build_model(
                     spec,
                     "plain" if kind == "plain-aa" else kind,
                     n,
                     jit_compile=(mode == "xla"),
                     weights=weights,
+                    micro_batch_size=spec["batch_size"] if instep else None,
                 )
-                runners[(net, mode, kind, n)] = Runner(model, dataset, args.via)
+                runners[(net, mode, kind, n)] = Runner(
+                    model, instep_data[n] if instep else dataset, args.via,
+                    micro_per_call=n if instep else 1,
+                )
     n_params = {}
     for net in networks:
         any_key = next(k for k in runners if k[0] == net)
@@ -254,6 +306,7 @@ def main(argv=None):
 
     results = []
     goal_rows = []
+    instep_rows = []
     for net in networks:
         spec = specs[net]
         for mode in modes:
@@ -266,7 +319,9 @@ def main(argv=None):
                 has_bi = kind in ("ours", "ours-nobn") and bkey in wall
                 entry = {
                     "network": net, "mode": mode, "kind": kind, "n": n,
-                    "label": label(kind, n), "batch_size": spec["batch_size"],
+                    "label": label(kind, n, spec["batch_size"]),
+                    "batch_size": spec["batch_size"],
+                    "micro_batches_per_call": runners[key].micro_per_call,
                     "wall_seconds": wall[key], "cpu_seconds": cpu[key],
                     "rates": rates, "rate": summarize(rates),
                     "cpu_ms_per_microbatch": summarize(
@@ -302,7 +357,24 @@ def main(argv=None):
                  "CPU ms / micro-batch", "vs plain, CPU time", "ours / built-in, CPU time"],
                 rows,
             ))
-            if have_ours:
+            for n in (instep_n if have_ours else ()):
+                goal = INSTEP_GOAL.get(net)
+                for clock, data in (("wall", wall), ("CPU time", cpu)):
+                    def ratios(a, b):
+                        return summarize(speedup(data[(net, mode) + a],
+                                                 data[(net, mode) + b]))
+                    aa = ratios(("plain-aa", 1), ("plain", 1))
+                    r = ratios(("ours-instep", n), ("plain", 1))
+                    cross = (cell(ratios(("ours-instep", n), ("ours", n)))
+                             if n in ours_n else "n/a")
+                    verdict = "" if goal is None else (
+                        f" ({'met' if r['median'] >= goal else 'MISSED'})")
+                    instep_rows.append([
+                        f"{net}, {mode}", f"{n}x{spec['batch_size']}", clock,
+                        cell(aa), cell(r) + verdict,
+                        "-" if goal is None else f">= {goal:.2f}", cross,
+                    ])
+            if have_ours and ours_n:
                 for clock, data in (("wall", wall), ("CPU time", cpu)):
                     def ratio(a, b):
                         return median(speedup(data[(net, mode) + a], data[(net, mode) + b]))
@@ -340,6 +412,17 @@ def main(argv=None):
              "ours N=16 / ours N=1 (goal >= 0.97)"],
             goal_rows, align=["l", "l", "r", "r", "r", "r"],
         ))
+    if instep_rows:
+        print("\n### In-step goals: GradientAccumulationModel(micro_batch_size=B) "
+              "fed N*B rows per step vs plain keras.Model at batch B, "
+              "micro-batches/s\n")
+        print(markdown_table(
+            ["network, mode", "batch (N x B)", "clock",
+             "A/A control (plain / plain), median (min–max)",
+             "in-step / plain, median (min–max)", "goal (median)",
+             "in-step / ours across N steps, median (min–max)"],
+            instep_rows, align=["l", "l", "l", "r", "r", "r", "r"],
+        ))
     total = time.perf_counter() - t_start
     print(f"\nTotal benchmark time: {total:.0f} s")
     common.write_json(args.json, {
@@ -349,6 +432,7 @@ def main(argv=None):
             "rounds": args.rounds, "steps": args.steps, "via": args.via,
             "warmup_steps": 2 * WARMUP_STEPS, "quick": args.quick,
             "ours_n": ours_n, "builtin_n": builtin_n, "window_bn_off_n": nobn_n,
+            "in_step_n": instep_n, "in_step_goals": INSTEP_GOAL,
             "networks": {k: specs[k] for k in networks}, "modes": modes,
         },
         "trainable_params": n_params,

@@ -5,7 +5,9 @@ compare learning curves and peak memory.
 
 ## Introduction
 
-The three runs:
+Gradient accumulation promises the updates of a big batch at the memory cost
+of a small one. This example checks both halves of the promise on the U-Net
+and the `synthetic_shapes` pipeline of `segmentation.py`, trained three ways:
 
 1. **batch B**: a plain `keras.Model`, micro-batches of `B` images, one update
    per micro-batch;
@@ -21,6 +23,8 @@ their curves lie on top of each other; run 1 makes `N` times more (noisier)
 updates. Run 2 needs the activation memory of run 1 (`B` images at a time),
 not that of run 3 (`N * B` images), plus one float32 buffer per weight.
 
+## Measuring peak memory
+
 Each run happens in its own subprocess, so that its peak memory is its own:
 on a GPU the peak of `tf.config.experimental.get_memory_info`, otherwise the
 process's peak resident set size (`VmHWM` from `/proc/self/status`). On a CPU,
@@ -28,12 +32,7 @@ the resident size includes TensorFlow itself (several hundred MB), so the
 table also gives the growth of the peak during training, which is where the
 activations show up.
 
-The script writes `comparison.png` (curves and memory) and `comparison.json`
-to `--output-dir`, prints a Markdown table and the relative difference between
-the total weight updates of runs 2 and 3.
-
-The defaults (micro-batch 8, 4 steps, 64x64 images, 512 examples, 4 epochs)
-take five to eight minutes on a two-core CPU, most of it training.
+## Running it
 
 ```
 python examples/compare_accumulation.py
@@ -41,237 +40,104 @@ python examples/compare_accumulation.py --batch-size 4 \
     --gradient-accumulation-steps 8
 python examples/compare_accumulation.py --smoke
 ```
+
+The defaults (micro-batch 8, 4 steps, 64x64 images, 512 examples, 4 epochs)
+take five to eight minutes on a two-core CPU, most of it training. `--smoke`
+trains tiny models on a few examples, one after the other in the script's own
+process (three TensorFlow start-ups would take longer than the training), so
+its memory figures mean nothing.
+
+The script writes `comparison.png` (curves and memory) and `comparison.json`
+to `--output-dir`, prints a Markdown table and the relative difference between
+the total weight updates of runs 2 and 3.
 """
 
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_accum
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import example_utils as utils  # noqa: E402  (flags, memory, figure)
+import segmentation  # noqa: E402  (data pipeline, U-Net, loss and metric)
 
 # The three configurations, in the order they run.
 RUNS = ["small_batch", "accumulated", "big_batch"]
 
-# Settings the parent passes on to each run.
-SHARED_FLAGS = [
-    "batch_size",
-    "gradient_accumulation_steps",
-    "epochs",
-    "image_size",
-    "max_samples",
-    "width",
-    "depth",
-    "learning_rate",
-    "seed",
-]
+# ---------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------
 
-
-def labels(batch_size, steps):
-    return {
-        "small_batch": f"batch {batch_size}",
-        "accumulated": f"batch {batch_size} x {steps} accumulation",
-        "big_batch": f"batch {batch_size * steps}",
-    }
+# 64x64 images: large enough for the activations to show in the memory
+# figures. The learning rate is constant: no schedule to size in updates.
+DEFAULTS = dict(batch_size=8, gradient_accumulation_steps=4, epochs=4,
+                image_size=64, max_samples=512, width=16, depth=3,
+                learning_rate=2e-3)
+# `--smoke`: 16 examples, one epoch, trained eagerly (tracing the train steps
+# of three models would take longer than the training).
+SMOKE = dict(batch_size=4, gradient_accumulation_steps=2, epochs=1,
+             image_size=32, max_samples=16, width=8, depth=2)
+# What the parent passes on to each run (all of it, resolved).
+RUN_FLAGS = list(DEFAULTS) + ["seed", "data_dir", "output_dir"]
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
-        description="Small batch, accumulated batch, big batch: learning "
-        "curves and peak memory of the same U-Net trained three ways.",
+    parser = utils.build_parser(
+        "Small batch, accumulated batch, big batch: learning curves and peak "
+        "memory of the same U-Net trained three ways.",
+        flags=["data-dir", "batch-size", "gradient-accumulation-steps",
+               "epochs", "image-size", "max-samples", "width", "depth",
+               "learning-rate", "seed", "output-dir", "smoke"],
+        defaults=DEFAULTS,
+        image_size="Input size, a multiple of 2**depth (default "
+        "{image_size}: large enough for activations to show in the memory "
+        "figures).",
+        max_samples="Training (and validation) examples per run (default "
+        "{max_samples}).",
+        learning_rate="Adam learning rate (default: {learning_rate}).",
+        output_dir="Where comparison.png and comparison.json go (default: "
+        "%(default)s).",
     )
-    parser.add_argument("--data-dir", default=None, help="TFDS data directory.")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="Micro-batch size B (default 8).",
+    parser.set_defaults(
+        dataset="synthetic_shapes",
+        output_dir=os.path.join("outputs", "compare_accumulation"),
     )
-    parser.add_argument(
-        "--gradient-accumulation-steps",
-        type=int,
-        default=None,
-        help="Accumulation steps N (default 4).",
-    )
-    parser.add_argument(
-        "--epochs", type=int, default=None, help="Epochs per run (default 4)."
-    )
-    parser.add_argument(
-        "--image-size",
-        type=int,
-        default=None,
-        help="Input size (default 64: large enough for activations to show "
-        "in the memory figures).",
-    )
-    parser.add_argument(
-        "--max-samples",
-        type=int,
-        default=None,
-        help="Training (and validation) examples per run (default 512).",
-    )
-    parser.add_argument(
-        "--width", type=int, default=None, help="U-Net base width (default 16)."
-    )
-    parser.add_argument(
-        "--depth", type=int, default=None, help="U-Net levels (default 3)."
-    )
-    parser.add_argument(
-        "--learning-rate",
-        type=float,
-        default=2e-3,
-        help="Adam learning rate (default: 0.002).",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=42, help="Random seed (default: 42)."
-    )
-    parser.add_argument(
-        "--output-dir",
-        default=os.path.join("outputs", "compare_accumulation"),
-        help="Where comparison.png and comparison.json go "
-        "(default: %(default)s).",
-    )
-    parser.add_argument(
-        "--smoke", action="store_true", help="Tiny sizes, a few steps per run."
-    )
-    # Internal: run one configuration (used by the subprocesses).
+    # Internal: run one configuration (in a subprocess, or with --smoke).
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     return parser
 
 
-def resolve(args):
-    defaults = dict(
-        batch_size=8,
-        gradient_accumulation_steps=4,
-        epochs=4,
-        image_size=64,
-        max_samples=512,
-        width=16,
-        depth=3,
-    )
-    if args.smoke:
-        defaults.update(
-            batch_size=4,
-            gradient_accumulation_steps=2,
-            epochs=2,
-            image_size=32,
-            max_samples=16,
-            width=8,
-            depth=2,
-        )
-    for key, value in defaults.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    return args
-
-
 # ---------------------------------------------------------------------------
-# Memory measurement (inside the child process)
-# ---------------------------------------------------------------------------
-
-
-def _proc_status_mb(field):
-    """`VmHWM` (peak) or `VmRSS` (current) resident size in MB, Linux only."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mb():
-    value = _proc_status_mb("VmHWM")
-    if value is None:  # Not Linux: ru_maxrss is in kB on Linux, bytes on macOS.
-        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        value /= 1024.0 * (1024.0 if sys.platform == "darwin" else 1.0)
-    return value
-
-
-def read_weights(path):
-    """The model's arrays in a `.weights.h5` file (not the optimizer's)."""
-    import h5py
-    import numpy as np
-
-    arrays = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(
-            lambda name, obj: (
-                arrays.__setitem__(name, np.asarray(obj[()], np.float64))
-                if isinstance(obj, h5py.Dataset) and name.startswith("layers/")
-                else None
-            )
-        )
-    return arrays
-
-
-def weight_checks(output_dir):
-    """Same start for all runs? How far apart are the accumulated and big runs?
-
-    Returns the largest absolute difference between the runs' initial weights
-    and `|update_accumulated - update_big| / |update_big|`, where `update` is
-    the change of all the weights over training: 0 for identical training.
-    """
-    import numpy as np
-
-    initial = {
-        run: read_weights(os.path.join(output_dir, f"{run}.initial.weights.h5"))
-        for run in RUNS
-    }
-    reference = initial[RUNS[0]]
-    start_gap = max(
-        float(np.max(np.abs(initial[run][k] - reference[k])))
-        for run in RUNS[1:]
-        for k in reference
-    )
-    accumulated = read_weights(
-        os.path.join(output_dir, "accumulated.weights.h5")
-    )
-    big = read_weights(os.path.join(output_dir, "big_batch.weights.h5"))
-    difference = sum(np.sum((accumulated[k] - big[k]) ** 2) for k in big)
-    update = sum(np.sum((big[k] - reference[k]) ** 2) for k in big)
-    return start_gap, float(np.sqrt(difference / update))
-
-
-# ---------------------------------------------------------------------------
-# One run (child process)
+# One run
 # ---------------------------------------------------------------------------
 
 
 def run_one(args):
-    """Trains one configuration and writes its numbers to `args.result_file`."""
-    sys.path.insert(0, HERE)
-    import keras
-    import tensorflow as tf
-
-    import keras_accum
-    import example_utils as utils  # From this folder.
-    import segmentation
-
+    """Trains one configuration; writes its numbers to `args.result_file`
+    and its initial and final weights to `args.output_dir`."""
     keras.utils.set_random_seed(args.seed)
+    # With --smoke, in a process where other code may have set a policy.
+    keras.config.set_dtype_policy("float32")
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
+    if gpus and not args.smoke:  # Too late once TensorFlow used the GPU.
         tf.config.experimental.set_memory_growth(gpus[0], True)
 
     steps = args.gradient_accumulation_steps
     batch = args.batch_size * (steps if args.run == "big_batch" else 1)
-    # The data pipeline of segmentation.py, with this run's settings.
-    flags = []
-    for name in ("image_size", "max_samples", "seed", "width", "depth"):
-        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    flags += ["--data-dir", args.data_dir] if args.data_dir else []
-    flags += ["--smoke"] if args.smoke else []
-    seg_args = utils.resolve_settings(
-        utils.build_parser("").parse_args(flags)
-    )
-    train_ds, val_ds = segmentation.load_datasets(seg_args, batch)
-    num_classes = len(utils.DATASETS["synthetic_shapes"]["class_names"])
+    # segmentation.py's pipeline: cached, shuffled before batching, prefetched.
+    train_ds, val_ds = segmentation.load_datasets(args, batch)
+    num_classes = len(utils.DATASETS[args.dataset]["class_names"])
 
+    # Same seed, same layers: every run starts from the same weights.
     inputs, logits = segmentation.unet_layers(
         args.image_size, num_classes, width=args.width, depth=args.depth
     )
@@ -281,194 +147,123 @@ def run_one(args):
         )
     else:
         model = keras.Model(inputs, logits)
-    # Same seed, same layers: every run starts from the same weights. They
-    # are saved so that the parent process can check it.
-    model.save_weights(
-        os.path.join(args.output_dir, f"{args.run}.initial.weights.h5")
-    )
-
+    path = os.path.join(args.output_dir, args.run)
+    model.save_weights(path + ".initial.weights.h5")
     model.compile(
         optimizer=keras.optimizers.Adam(args.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, ignore_class=segmentation.IGNORE_LABEL
         ),
         metrics=[segmentation.make_iou_metric(num_classes)],
+        run_eagerly=args.smoke,
     )
+
     if gpus:
         tf.config.experimental.reset_memory_stats("GPU:0")
-    rss_before = peak_rss_mb()
+    rss_before = utils.peak_rss_mb()
     start = time.perf_counter()
-    history = model.fit(
-        train_ds,
-        validation_data=val_ds,
-        epochs=args.epochs,
-        shuffle=False,
-        verbose=0,
-    ).history
-    seconds = time.perf_counter() - start
+    history = model.fit(train_ds, validation_data=val_ds, epochs=args.epochs,
+                        shuffle=False, verbose=0).history
     result = {
         "run": args.run,
         "batch_size": batch,
         "accumulation_steps": steps if args.run == "accumulated" else 1,
         "updates": int(model.optimizer.iterations.numpy()),
         "history": history,
-        "train_seconds": seconds,
-        "peak_rss_mb": peak_rss_mb(),
-        "peak_rss_growth_mb": peak_rss_mb() - rss_before,
+        "train_seconds": time.perf_counter() - start,
+        "peak_rss_mb": utils.peak_rss_mb(),
+        "peak_rss_growth_mb": utils.peak_rss_mb() - rss_before,
     }
     if gpus:
-        result["gpu_peak_mb"] = (
-            tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
-        )
-    # Final weights: the parent compares the accumulated and big-batch runs.
-    model.save_weights(os.path.join(args.output_dir, f"{args.run}.weights.h5"))
+        peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
+        result["gpu_peak_mb"] = peak / 2**20
+    model.save_weights(path + ".weights.h5")
     with open(args.result_file, "w") as f:
         json.dump(result, f)
 
 
-# ---------------------------------------------------------------------------
-# Orchestration (parent process) and reporting
-# ---------------------------------------------------------------------------
-
-
-def markdown_table(results, names):
-    lines = [
-        "| run | updates | final val loss | final val mean IoU "
-        "| peak memory (MB) | peak growth in fit (MB) | train time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+def run_all(args):
+    """Runs the three configurations one at a time (the first may have to
+    generate the dataset; training times should not disturb one another)."""
+    results = {}
     for run in RUNS:
-        r = results[run]
-        memory = r.get("gpu_peak_mb", r["peak_rss_mb"])
-        growth = (
-            "n/a" if "gpu_peak_mb" in r else f"{r['peak_rss_growth_mb']:.0f}"
-        )
-        lines.append(
-            f"| {names[run]} | {r['updates']} "
-            f"| {r['history']['val_loss'][-1]:.4f} "
-            f"| {r['history']['val_mean_iou'][-1]:.4f} "
-            f"| {memory:.0f} | {growth} | {r['train_seconds']:.1f} |"
-        )
-    return "\n".join(lines)
+        result_file = os.path.join(args.output_dir, f"{run}.json")
+        argv = ["--run", run, "--result-file", result_file]
+        for name in RUN_FLAGS:
+            value = getattr(args, name)
+            if value is not None:
+                argv += ["--" + name.replace("_", "-"), str(value)]
+        print(f"Running {run} ...", flush=True)
+        if args.smoke:
+            main(argv + ["--smoke"])
+        else:
+            script = os.path.abspath(__file__)
+            subprocess.run([sys.executable, script] + argv, check=True)
+        with open(result_file) as f:
+            results[run] = json.load(f)
+    return results
 
 
-def plot(results, names, path):
-    import matplotlib
+# ---------------------------------------------------------------------------
+# Same start, same updates?
+# ---------------------------------------------------------------------------
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    styles = {
-        "small_batch": dict(marker="o", linestyle="-"),
-        "accumulated": dict(marker="s", linestyle="-", linewidth=3, alpha=0.6),
-        "big_batch": dict(marker="x", linestyle="--", color="black"),
-    }
-    for key, ax, label in [
-        ("val_loss", axes[0], "validation loss"),
-        ("val_mean_iou", axes[1], "validation mean IoU"),
-    ]:
-        for run in RUNS:
-            values = results[run]["history"][key]
-            ax.plot(
-                range(1, len(values) + 1),
-                values,
-                label=names[run],
-                **styles[run],
-            )
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    gpu = all("gpu_peak_mb" in results[run] for run in RUNS)
-    names_wrapped = [names[run].replace(" x ", "\nx ") for run in RUNS]
-    colours = ["tab:blue", "tab:orange", "tab:gray"]
-    if gpu:
-        peaks = [results[run]["gpu_peak_mb"] for run in RUNS]
-        bars = axes[2].bar(names_wrapped, peaks, color=colours)
-        axes[2].bar_label(bars, fmt="%.0f MB")
-        axes[2].set_ylabel("peak GPU memory during fit (MB)")
-    else:
-        # Resident size before fit (TensorFlow, data, model) and what fit adds.
-        growth = [results[run]["peak_rss_growth_mb"] for run in RUNS]
-        base = [results[run]["peak_rss_mb"] - g for run, g in zip(RUNS, growth)]
-        axes[2].bar(names_wrapped, base, color="lightgray", label="before fit")
-        bars = axes[2].bar(
-            names_wrapped,
-            growth,
-            bottom=base,
-            color=colours,
-            label="added during fit",
-        )
-        axes[2].bar_label(
-            bars,
-            labels=[
-                f"{b + g:.0f} MB\n(+{g:.0f} in fit)"
-                for b, g in zip(base, growth)
-            ],
-        )
-        axes[2].set_ylabel("peak resident memory (MB)")
-        axes[2].set_ylim(0, 1.2 * max(b + g for b, g in zip(base, growth)))
-        axes[2].legend(loc="lower right")
-    axes[2].set_title("peak memory", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+def weight_checks(output_dir):
+    """Same start for all runs? How far apart are the accumulated and big runs?
+
+    Returns the largest absolute difference between the runs' initial weights
+    and `|update_accumulated - update_big| / |update_big|`, where `update` is
+    the change of all the weights over training: 0 for identical training.
+    """
+
+    def weights(name):
+        path = os.path.join(output_dir, name + ".weights.h5")
+        return utils.read_weights(path)
+
+    initial = {run: weights(run + ".initial") for run in RUNS}
+    reference = initial[RUNS[0]]
+    start_gap = max(
+        float(np.max(np.abs(initial[run][k] - reference[k])))
+        for run in RUNS[1:]
+        for k in reference
+    )
+    accumulated, big = weights("accumulated"), weights("big_batch")
+    difference = sum(np.sum((accumulated[k] - big[k]) ** 2) for k in big)
+    update = sum(np.sum((big[k] - reference[k]) ** 2) for k in big)
+    return start_gap, float(np.sqrt(difference / update))
+
+
+# ---------------------------------------------------------------------------
+# The comparison
+# ---------------------------------------------------------------------------
 
 
 def main(argv=None):
-    args = resolve(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    args = utils.resolve_settings(args, DEFAULTS, SMOKE)
     os.makedirs(args.output_dir, exist_ok=True)
     if args.run:
-        run_one(args)
-        return None
+        return run_one(args)
 
     start = time.perf_counter()
-    for run in RUNS:
-        options = {
-            "--run": run,
-            "--result-file": os.path.join(args.output_dir, f"{run}.json"),
-            "--output-dir": args.output_dir,
-        }
-        for name in SHARED_FLAGS:
-            options["--" + name.replace("_", "-")] = getattr(args, name)
-        command = [sys.executable, os.path.abspath(__file__)]
-        for flag, value in options.items():
-            command += [flag, str(value)]
-        command += ["--data-dir", args.data_dir] if args.data_dir else []
-        command += ["--smoke"] if args.smoke else []
-        print(f"Running {run} ...", flush=True)
-        # One at a time: the first run may have to generate the dataset, and
-        # the training times should not disturb one another.
-        subprocess.run(command, check=True)
-    results = {}
-    for run in RUNS:
-        with open(os.path.join(args.output_dir, f"{run}.json")) as f:
-            results[run] = json.load(f)
+    results = run_all(args)
     start_gap, update_gap = weight_checks(args.output_dir)
 
-    names = labels(args.batch_size, args.gradient_accumulation_steps)
-    figure = plot(
+    b, n = args.batch_size, args.gradient_accumulation_steps
+    names = dict(zip(RUNS, [f"batch {b}", f"batch {b} x {n} accumulation",
+                            f"batch {b * n}"]))
+    table = utils.comparison_table(results, names)
+    figure = utils.save_comparison_figure(
         results, names, os.path.join(args.output_dir, "comparison.png")
     )
     summary_path = os.path.join(args.output_dir, "comparison.json")
     with open(summary_path, "w") as f:
-        json.dump(
-            {
-                "args": vars(args),
-                "initial_weights_max_difference": start_gap,
-                "update_difference_accumulated_vs_big_batch": update_gap,
-                "results": results,
-            },
-            f,
-            indent=2,
-        )
-    table = markdown_table(results, names)
-    print()
-    print(table)
+        json.dump({"args": vars(args),
+                   "initial_weights_max_difference": start_gap,
+                   "update_difference_accumulated_vs_big_batch": update_gap,
+                   "results": results}, f, indent=2)
+    print(f"\n{table}")
     print(
         f"\nInitial weights, largest difference between runs: {start_gap:.1e}"
         f"\nTotal weight update, accumulated vs big batch: relative difference "
@@ -477,13 +272,9 @@ def main(argv=None):
     )
     print(f"\nWrote figure: {figure}\nWrote numbers: {summary_path}")
     print(f"Wall time: {time.perf_counter() - start:.1f} s")
-    return {
-        "results": results,
-        "table": table,
-        "figure": figure,
-        "initial_weights_max_difference": start_gap,
-        "update_difference": update_gap,
-    }
+    return {"results": results, "table": table, "figure": figure,
+            "initial_weights_max_difference": start_gap,
+            "update_difference": update_gap}
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ def window_train_function(model, train_function):
     return window_train_function
 
 
-def _micro_batch_size(x, batch_size):
-    """The (global) micro-batch size `fit()` will see, if known upfront."""
+def _batch_size(x, batch_size):
+    """The (global) batch size `fit()` will see, if known upfront."""
     if isinstance(x, tf.data.Dataset):
         spec = keras.tree.flatten(x.element_spec)
         size = spec[0].shape[0] if spec and spec[0].shape.rank else None
@@ -49,22 +49,32 @@ def _micro_batch_size(x, batch_size):
     return batch_size
 
 
-def _describe_window(model, micro_batch, steps):
+def _describe_window(model, batch, steps):
     """The line `fit()` prints at its start: what one update is made of."""
     n = model.gradient_accumulation_steps
+    rows = model.micro_batch_size
     replicas = model.distribute_strategy.num_replicas_in_sync
-    if micro_batch:
+    unit = "micro-batches" if rows is None else "steps"
+    if rows is None:
+        line = f"Gradient accumulation: {n} micro-batches"
+    else:
         line = (
-            f"Gradient accumulation: {n} micro-batches of {micro_batch} "
-            f"samples per update = an effective batch of {n * micro_batch}"
+            f"Gradient accumulation: micro-batches of at most {rows} samples"
+            f"{' per replica' if replicas > 1 else ''} inside each step, "
+            f"{n} step{'s' if n > 1 else ''}"
+        )
+    if batch:
+        line += (
+            f" of {batch} samples per update = an effective batch of "
+            f"{n * batch}"
         )
     else:
-        line = f"Gradient accumulation: {n} micro-batches per update"
+        line += " per update"
     if replicas > 1:
         line += f", on {replicas} replicas"
     if steps:
         updates = -(-steps // n) if model.flush_at_epoch_end else steps / n
-        line += f"; {updates:g} updates per epoch of {steps} micro-batches"
+        line += f"; {updates:g} updates per epoch of {steps} {unit}"
     return line + "."
 
 
@@ -76,8 +86,8 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
     restores before other callbacks start and backs up after the window's
     end.
     """
-    micro_batch = _micro_batch_size(x, (fit_kwargs or {}).get("batch_size"))
-    first, last = [_WindowEnd(micro_batch)], [_LastWindowEnd()]
+    batch = _batch_size(x, (fit_kwargs or {}).get("batch_size"))
+    first, last = [_WindowEnd(batch)], [_LastWindowEnd()]
     if isinstance(callbacks, keras.callbacks.CallbackList):
         for callback in first + last:
             callback.set_model(model)
@@ -100,14 +110,14 @@ class _WindowEnd(keras.callbacks.Callback):
     of when `fit()` starts.
     """
 
-    def __init__(self, micro_batch=None):
+    def __init__(self, batch=None):
         super().__init__()
-        self.micro_batch = micro_batch
+        self.batch = batch
 
     def on_train_begin(self, logs=None):
         params = self.params or {}
         if params.get("verbose", 0) != 0 and self.model.gradient_accumulator.accumulates:
-            print(_describe_window(self.model, self.micro_batch, params.get("steps")))
+            print(_describe_window(self.model, self.batch, params.get("steps")))
 
     def on_epoch_end(self, epoch, logs=None):
         epochs = self.params.get("epochs") if self.params else None

@@ -78,8 +78,9 @@ class GradientAccumulator(tf.Module):
     (float64 for float64 variables); state is per replica under
     `tf.distribute`. With a `LossScaleOptimizer`, micro-batches are unscaled
     one by one and the inner optimizer takes one step per window. Listeners
-    (`add_window_end_listener`) hear of every window's end. See
-    docs/design.md.
+    (`add_window_end_listener`) hear of every window's end. Several
+    micro-batches per train step: `add()` each, then `end_step()`; the
+    window is then N train steps. See docs/design.md.
 
     `non_finite_policy`: `"skip_window"` skips a window with any non-finite
     micro-batch (a loss scale is halved); `"drop_micro_batch"` drops that
@@ -141,6 +142,9 @@ class GradientAccumulator(tf.Module):
         object.__setattr__(self, "_pending_state", {})
         object.__setattr__(self, "_listeners", [])
         self._gradient_is_none = None
+        # Whether windows count train steps (`add()` traced, or a saved
+        # count restored): only then does a window's end reset the count.
+        self._counts_steps = False
         with tf.init_scope():
             self.micro_step = state_variable(0, "micro_step", dtype=tf.int64)
             # N of the current window, and of the windows after it.
@@ -149,6 +153,11 @@ class GradientAccumulator(tf.Module):
             )
             self.next_window_steps = state_variable(
                 steps, "next_window_steps", dtype=tf.int64
+            )
+            # Train steps of the window, when they `add()` several
+            # micro-batches each (`end_step()`).
+            self.steps_in_window = state_variable(
+                0, "steps_in_window", dtype=tf.int64
             )
             # Micro-batches of the window whose gradients were added.
             self.added_micro_batches = state_variable(
@@ -168,8 +177,20 @@ class GradientAccumulator(tf.Module):
 
     @property
     def accumulates(self):
-        """bool: whether windows go through the buffers (N > 1 ever set)."""
+        """bool: whether windows go through the buffers.
+
+        `True` once N > 1 was set, or when set to `True` (for several
+        micro-batches per train step with N = 1, see `add()`); it is not
+        set back to `False`.
+        """
         return self._accumulates
+
+    @accumulates.setter
+    def accumulates(self, value):
+        if value and not self._accumulates:
+            self._accumulates = True
+            # The next `build()` creates the buffers.
+            self._variable_ids = None
 
     @property
     def gradient_accumulation_steps(self):
@@ -186,10 +207,8 @@ class GradientAccumulator(tf.Module):
     def gradient_accumulation_steps(self, value):
         value = validate_steps(value)
         self._steps = value
-        if value > 1 and not self._accumulates:
-            self._accumulates = True
-            # The next `build()` creates the buffers.
-            self._variable_ids = None
+        if value > 1:
+            self.accumulates = True
         with tf.init_scope():
             replicas = _replicas(self.micro_step)
             assign_per_replica(self.next_window_steps, [value] * replicas)
@@ -267,6 +286,7 @@ class GradientAccumulator(tf.Module):
             "window_steps": self.window_steps,
             "next_window_steps": self.next_window_steps,
             "added_micro_batches": self.added_micro_batches,
+            "steps_in_window": self.steps_in_window,
             "skipped_windows": self.skipped_windows,
             "dropped_micro_batches": self.dropped_micro_batches,
         }
@@ -286,6 +306,8 @@ class GradientAccumulator(tf.Module):
         Raises:
             ValueError: if a saved buffer does not fit its variable.
         """
+        if any(v != 0 for v in values.get("steps_in_window", [])):
+            self._counts_steps = True
         object.__setattr__(
             self, "_pending_state", assign_state(self.state(), values)
         )
@@ -319,6 +341,76 @@ class GradientAccumulator(tf.Module):
             A boolean tensor: whether an optimizer update was applied.
         """
         variables = list(variables)
+        if self._accumulates:
+            self._add(gradients, optimizer, variables, normalizer,
+                      gradient_scale)
+            return self._end_window(
+                optimizer,
+                variables,
+                self._resolve_policy(optimizer),
+                self.micro_step >= self.window_steps,
+            )
+        gradients, policy = self._checked(gradients, optimizer, variables)
+        with tf.control_dependencies(_tensors(gradients)):
+            gradients = _unscaled(gradients, optimizer, self._overwrite)
+            return _apply_directly(
+                self, gradients, optimizer, variables, policy
+            )
+
+    def add(
+        self,
+        gradients,
+        optimizer,
+        variables,
+        normalizer=1.0,
+        *,
+        gradient_scale=1.0,
+    ):
+        """Adds one micro-batch to the window without ending it.
+
+        For several micro-batches per train step: `add()` each, then
+        `end_step()` once; the window then ends after N train steps (N = 1:
+        every step). Needs `accumulates` to be `True`.
+
+        Args:
+            gradients, optimizer, variables, normalizer, gradient_scale: as
+                for `accumulate_and_maybe_apply`.
+
+        Raises:
+            ValueError: if `accumulates` is `False`.
+        """
+        if not self._accumulates:
+            raise ValueError(
+                "`add()` needs the window's buffers: set "
+                "`accumulates = True` (or `gradient_accumulation_steps` > 1) "
+                "before the train step is traced."
+            )
+        self._counts_steps = True
+        self._add(gradients, optimizer, variables, normalizer, gradient_scale)
+
+    def _add(self, gradients, optimizer, variables, normalizer, gradient_scale):
+        gradients, policy = self._checked(gradients, optimizer, list(variables))
+        # Nothing below runs before the gradients exist: a step whose input
+        # ran out (Keras' end-of-data call) changes no state.
+        with tf.control_dependencies(_tensors(gradients)):
+            gradients = _unscaled(gradients, optimizer, self._overwrite)
+            self._accumulate(
+                gradients, normalizer, gradient_scale, optimizer, policy
+            )
+
+    def end_step(self, optimizer, variables):
+        """Ends a train step of `add()`s; applies the window after N steps.
+
+        Args and return value as for `flush()`.
+        """
+        self.steps_in_window.assign_add(1)
+        ready = self.steps_in_window >= self.window_steps
+        return self._end_window(
+            optimizer, list(variables), self._resolve_policy(optimizer), ready
+        )
+
+    def _checked(self, gradients, optimizer, variables):
+        """The gradients as a list, and the policy; builds what is missing."""
         gradients = list(gradients)
         if len(gradients) != len(variables):
             raise ValueError(
@@ -331,25 +423,7 @@ class GradientAccumulator(tf.Module):
             # Loss scaling state is read before the first update.
             optimizer.build(variables)
         self._gradient_is_none = [g is None for g in gradients]
-        policy = self._resolve_policy(optimizer)
-        # Nothing below runs before the gradients exist: a step whose input
-        # ran out (Keras' end-of-data call) changes no state.
-        with tf.control_dependencies(_tensors(gradients)):
-            if is_loss_scale_optimizer(optimizer):
-                unscale = 1.0 / tf.cast(optimizer.dynamic_scale, tf.float32)
-                gradients = [
-                    g if g is None or overwrite else _scale(g, unscale)
-                    for g, overwrite in zip(gradients, self._overwrite)
-                ]
-            if not self._accumulates:
-                return _apply_directly(
-                    self, gradients, optimizer, variables, policy
-                )
-            self._accumulate(
-                gradients, normalizer, gradient_scale, optimizer, policy
-            )
-            ready = self.micro_step >= self.window_steps
-            return self._end_window(optimizer, variables, policy, ready)
+        return gradients, self._resolve_policy(optimizer)
 
     def flush(self, optimizer, variables):
         """Applies a partially filled window, if any; a no-op otherwise.
@@ -377,6 +451,8 @@ class GradientAccumulator(tf.Module):
         if self._normalizer_sum is not None:
             self._normalizer_sum.assign(tf.zeros_like(self._normalizer_sum))
         self.micro_step.assign(0)
+        if self._counts_steps:
+            self.steps_in_window.assign(0)
         self.added_micro_batches.assign(0)
         self.window_steps.assign(self.next_window_steps)
         for listener in self._listeners:
@@ -541,6 +617,17 @@ def _buffer(variable, dtype):
         "buffer_" + name.replace("/", "_").replace(":", "_"),
         tf.VariableAggregation.SUM,
     )
+
+
+def _unscaled(gradients, optimizer, overwrite):
+    """The gradients divided by the loss scale, if `optimizer` scales."""
+    if not is_loss_scale_optimizer(optimizer):
+        return gradients
+    unscale = 1.0 / tf.cast(optimizer.dynamic_scale, tf.float32)
+    return [
+        g if g is None or keep else _scale(g, unscale)
+        for g, keep in zip(gradients, overwrite)
+    ]
 
 
 def _apply_directly(accumulator, gradients, optimizer, variables, policy):

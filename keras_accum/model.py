@@ -12,6 +12,7 @@ from keras_accum import _window_state as window_state
 from keras_accum.accumulator import GradientAccumulator
 from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import resolve_policy
+from keras_accum.accumulator import validate_steps
 from keras_accum.batch_norm import WindowBatchNormStatistics
 from keras_accum._fit_hooks import window_train_function
 from keras_accum._fit_hooks import with_window_callbacks
@@ -21,14 +22,16 @@ _CONFIG_KEYS = (
     "flush_at_epoch_end",
     "non_finite_policy",
     "window_batch_norm",
+    "micro_batch_size",
 )
 
 
 def _window_parts(
-    gradient_accumulation_steps,
-    flush_at_epoch_end,
-    non_finite_policy,
-    window_batch_norm,
+    gradient_accumulation_steps=1,
+    flush_at_epoch_end=True,
+    non_finite_policy="auto",
+    window_batch_norm=True,
+    micro_batch_size=None,
 ):
     """Validates the model's own arguments; builds the window's parts."""
     if not isinstance(flush_at_epoch_end, bool):
@@ -36,11 +39,20 @@ def _window_parts(
             "`flush_at_epoch_end` must be a bool. Received: "
             f"flush_at_epoch_end={flush_at_epoch_end!r}"
         )
+    if micro_batch_size is not None:
+        micro_batch_size = validate_steps(micro_batch_size, "micro_batch_size")
     batch_norm_statistics = WindowBatchNormStatistics(window_batch_norm)
     accumulator = GradientAccumulator(
         gradient_accumulation_steps, non_finite_policy=non_finite_policy
     )
-    return flush_at_epoch_end, accumulator, batch_norm_statistics
+    # Several micro-batches per step: the window goes through the buffers.
+    accumulator.accumulates = micro_batch_size is not None
+    return (
+        flush_at_epoch_end,
+        accumulator,
+        batch_norm_statistics,
+        micro_batch_size,
+    )
 
 
 def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling):
@@ -73,6 +85,62 @@ def _multi_worker_logs(strategy, logs):
     )
 
 
+def _first_tensor(x):
+    return next(i for i in keras.tree.flatten(x) if i is not None)
+
+
+def _replica_scale():
+    """Keras divides each replica's mean loss by the number of replicas; the
+    window's normaliser is global instead: the gradients are scaled back."""
+    return compat.unscale_loss_for_distribution(tf.ones(()))
+
+
+def _check_in_step_sync(model):
+    """Raises for `micro_batch_size` with a synchronized layer on replicas."""
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if model.micro_batch_size is None or replicas == 1:
+        return
+    for layer in compat.layers_of(model):
+        if getattr(layer, "synchronized", False) and layer.trainable:
+            raise ValueError(
+                "`micro_batch_size` cannot be used with a `synchronized=True` "
+                f"BatchNormalization layer ({layer.name!r}) on {replicas} "
+                "replicas: its moments are all-reduced in every forward "
+                "pass, which TensorFlow does not allow inside the train "
+                "step's loop. Received: micro_batch_size="
+                f"{model.micro_batch_size}. Set `synchronized=False`, or "
+                "`micro_batch_size=None` to accumulate across train steps."
+            )
+
+
+_CONVOLUTIONS = tuple(
+    getattr(keras.layers, f"{kind}Conv{rank}D{transpose}")
+    for kind, transpose in (("", ""), ("", "Transpose"), ("Separable", ""),
+                            ("Depthwise", ""))
+    for rank in ((1, 2, 3) if not kind else (1, 2))
+)
+
+
+def _warn_in_step_xla_on_cpu(model):
+    """XLA on CPU runs convolution gradients inside a loop slowly."""
+    if (
+        model.micro_batch_size is None
+        or model.jit_compile is not True
+        or tf.config.list_logical_devices("GPU")
+        or tf.config.list_logical_devices("TPU")
+    ):
+        return
+    if any(isinstance(l, _CONVOLUTIONS) for l in compat.layers_of(model)):
+        warnings.warn(
+            "`micro_batch_size` with `jit_compile=True` on CPU: XLA's CPU "
+            "backend runs convolution gradients inside the train step's "
+            "loop with slow kernels (a U-Net trained at 0.1x the speed of "
+            "plain `keras.Model`). Use `jit_compile=False` (Keras' default "
+            "on CPU) or `micro_batch_size=None`.",
+            stacklevel=3,
+        )
+
+
 def _check_backend():
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(
@@ -101,8 +169,7 @@ def _convert(model, gradient_accumulation_steps, kwargs):
             f"Unrecognized arguments for `from_model()`: {sorted(unknown)}. "
             f"Expected some of {list(_CONFIG_KEYS[1:])}."
         )
-    defaults = dict(zip(_CONFIG_KEYS[1:], (True, "auto", True)))
-    window = _window_parts(gradient_accumulation_steps, **{**defaults, **kwargs})
+    window = _window_parts(gradient_accumulation_steps, **kwargs)
     if getattr(model, "optimizer", None) is not None:
         _check_optimizer(model.optimizer, window[1].non_finite_policy, False)
     model.__class__ = classes.accumulating_class(type(model))
@@ -179,6 +246,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         window_batch_norm: bool. If `True` (default) BatchNormalization
             moving statistics move once per window, from all its samples;
             if `False`, every micro-batch, as in Keras.
+        micro_batch_size: int >= 1 or `None` (default). If set, each train
+            step splits its batch into micro-batches of at most this many
+            rows (per replica) and accumulates them inside the step, in a
+            `tf.while_loop`; a window is then `gradient_accumulation_steps`
+            train steps. Metrics and the logged loss are the whole batch's.
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -220,6 +292,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         flush_at_epoch_end=True,
         non_finite_policy="auto",
         window_batch_norm=True,
+        micro_batch_size=None,
         **kwargs,
     ):
         _check_backend()
@@ -228,6 +301,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             flush_at_epoch_end,
             non_finite_policy,
             window_batch_norm,
+            micro_batch_size,
         )
         # A parent that builds a functional graph (a keras-hub task) makes
         # this instance `Functional` without Keras rewriting any class.
@@ -247,9 +321,14 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             self.train_function = None
 
     def _set_window_parts(
-        self, flush_at_epoch_end, accumulator, batch_norm_statistics
+        self,
+        flush_at_epoch_end,
+        accumulator,
+        batch_norm_statistics,
+        micro_batch_size,
     ):
         self.flush_at_epoch_end = flush_at_epoch_end
+        self._micro_batch_size = micro_batch_size
         self.gradient_accumulator = accumulator
         self._batch_norm_statistics = batch_norm_statistics
         accumulator.add_window_end_listener(batch_norm_statistics)
@@ -271,9 +350,30 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         accumulator.gradient_accumulation_steps = value
         if accumulator.accumulates != accumulated:
             # From 1 to more: buffers, and a train step that fills them.
-            self._flush_function = None
-            if getattr(self, "train_function", None) is not None:
-                self.make_train_function(force=True)
+            self._retrace()
+
+    @property
+    def micro_batch_size(self):
+        """int or `None`: rows per micro-batch inside each train step.
+
+        `None`: every train step is one micro-batch. Settable between
+        `fit()` calls (the train step is traced again).
+        """
+        return self._micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value):
+        if value is not None:
+            value = validate_steps(value, "micro_batch_size")
+            self.gradient_accumulator.accumulates = True
+        if value != self._micro_batch_size:
+            self._micro_batch_size = value
+            self._retrace()
+
+    def _retrace(self):
+        self._flush_function = None
+        if getattr(self, "train_function", None) is not None:
+            self.make_train_function(force=True)
 
     @property
     def non_finite_policy(self):
@@ -320,7 +420,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             gradient_accumulation_steps: int >= 1, micro-batches per update.
             **kwargs: the other `GradientAccumulationModel` arguments
                 (`flush_at_epoch_end`, `non_finite_policy`,
-                `window_batch_norm`).
+                `window_batch_norm`, `micro_batch_size`).
 
         Returns:
             `model` itself, now accumulating.
@@ -361,6 +461,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        _check_in_step_sync(self)
+        _warn_in_step_xla_on_cpu(self)
         self._build_window_state()
         super().make_train_function(force=force)
         self.train_function = window_train_function(self, self.train_function)
@@ -403,10 +505,26 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
-        batch_size = tf.shape(
-            next(i for i in keras.tree.flatten(x) if i is not None)
-        )[0]
+        if self._micro_batch_size is not None:
+            return self._train_in_micro_batches(x, y, sample_weight)
+        y_pred, loss, gradients, normalizer, batch_size = (
+            self._forward_backward(x, y, sample_weight)
+        )
+        compat.track_loss(self, loss, batch_size)
+        if gradients is not None:
+            self.gradient_accumulator.accumulate_and_maybe_apply(
+                gradients,
+                self.optimizer,
+                self.trainable_weights,
+                normalizer=normalizer,
+                gradient_scale=_replica_scale(),
+            )
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self._step_logs(logs)
 
+    def _forward_backward(self, x, y, sample_weight):
+        """One micro-batch's predictions, loss, gradients and normaliser."""
+        batch_size = tf.shape(_first_tensor(x))[0]
         with tf.GradientTape() as tape:
             # BatchNormalization moving statistics: once per window.
             with self._batch_norm_statistics.record(self):
@@ -417,28 +535,87 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
                     self, x=x, y=y, y_pred=y_pred,
                     sample_weight=sample_weight, training=True,
                 )
-            compat.track_loss(self, loss, batch_size)
+            scaled = loss
             if self.optimizer is not None:
-                loss = self.optimizer.scale_loss(loss)
-
-        if self.trainable_weights:
-            trainable_weights = self.trainable_weights
-            gradients = tape.gradient(loss, trainable_weights)
-            normalizer = recording.normalizer(batch_size)
-            self.gradient_accumulator.accumulate_and_maybe_apply(
-                gradients,
-                self.optimizer,
-                trainable_weights,
-                normalizer=normalizer,
-                # Keras divides each replica's mean loss by the number of
-                # replicas; the window's normaliser is global instead.
-                gradient_scale=compat.unscale_loss_for_distribution(
-                    tf.ones(())
-                ),
-            )
-        else:
+                scaled = self.optimizer.scale_loss(loss)
+        if not self.trainable_weights:
             warnings.warn("The model does not have any trainable weights.")
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return y_pred, loss, None, None, batch_size
+        gradients = tape.gradient(scaled, self.trainable_weights)
+        normalizer = recording.normalizer(batch_size)
+        return y_pred, loss, gradients, normalizer, batch_size
+
+    def _train_in_micro_batches(self, x, y, sample_weight):
+        """`train_step` with `micro_batch_size`: a loop over micro-batches.
+
+        Full micro-batches run in a `tf.while_loop` (one traced body, no
+        host round trip); a short last one after it. The logged loss is the
+        batch's: the micro-batches' losses weighted by their normalisers.
+        """
+        data = (x, y, sample_weight)
+        rows = self._micro_batch_size
+        size = tf.shape(_first_tensor(x))[0]
+        full = size // rows
+        zero = tf.zeros((), tf.float64)
+
+        def micro_batch(start, length):
+            part = keras.tree.map_structure(
+                lambda t: None if t is None else tf.gather(
+                    t, start + tf.range(length)
+                ),
+                data,
+            )
+            y_pred, loss, gradients, normalizer, _ = self._forward_backward(
+                *part
+            )
+            if gradients is not None:
+                self.gradient_accumulator.add(
+                    gradients,
+                    self.optimizer,
+                    self.trainable_weights,
+                    normalizer=normalizer,
+                    gradient_scale=_replica_scale(),
+                )
+            self.compute_metrics(part[0], part[1], y_pred, part[2])
+            # A sum (no normaliser) counts with weight 0: it is summed.
+            weight = zero if normalizer is None else tf.cast(normalizer, zero.dtype)
+            loss = tf.cast(loss, zero.dtype)
+            return loss * (1.0 if normalizer is None else weight), weight
+
+        def body(i, loss, weight):
+            micro_loss, micro_weight = micro_batch(i * rows, rows)
+            return i + 1, loss + micro_loss, weight + micro_weight
+
+        _, loss, weight = tf.while_loop(
+            lambda i, *_: i < full,
+            body,
+            (tf.zeros((), tf.int32), zero, zero),
+            parallel_iterations=1,
+        )
+        static_size = _first_tensor(x).shape[0]
+        if static_size is None:
+            rest = size - full * rows
+            last = tf.cond(
+                rest > 0,
+                lambda: micro_batch(full * rows, rest),
+                lambda: (zero, zero),
+            )
+        elif static_size % rows:
+            rest = static_size % rows
+            last = micro_batch(static_size - rest, rest)
+        else:
+            last = (zero, zero)
+        loss, weight = loss + last[0], weight + last[1]
+        loss = loss / tf.where(weight > 0, weight, tf.ones_like(weight))
+        compat.track_loss(self, loss, size)
+        if self.optimizer is not None and self.trainable_weights:
+            with tf.control_dependencies([loss]):
+                self.gradient_accumulator.end_step(
+                    self.optimizer, self.trainable_weights
+                )
+        return self._step_logs(self.get_metrics_result())
+
+    def _step_logs(self, logs):
         if self.gradient_accumulator.accumulates and self.optimizer is not None:
             logs = dict(logs, updates=self.optimizer.iterations)
         return _multi_worker_logs(self.distribute_strategy, logs)
@@ -450,14 +627,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "flush_at_epoch_end": self.flush_at_epoch_end,
-                "non_finite_policy": self.non_finite_policy,
-                "window_batch_norm": self.window_batch_norm,
-            }
-        )
+        config.update({key: getattr(self, key) for key in _CONFIG_KEYS})
         base = getattr(type(self), "_converted_from", None)
         if base is not None:
             config["converted_from"] = classes.class_spec(base)
@@ -479,25 +649,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if all(key in config for key in functional_keys):
             own = {k: config.pop(k) for k in _CONFIG_KEYS if k in config}
             model = super().from_config(config, custom_objects=custom_objects)
-            model._configure(**own)
+            model._set_window_parts(*_window_parts(**own))
             return model
         return super().from_config(config, custom_objects=custom_objects)
-
-    def _configure(
-        self,
-        gradient_accumulation_steps=1,
-        flush_at_epoch_end=True,
-        non_finite_policy="auto",
-        window_batch_norm=True,
-    ):
-        self._set_window_parts(
-            *_window_parts(
-                gradient_accumulation_steps,
-                flush_at_epoch_end,
-                non_finite_policy,
-                window_batch_norm,
-            )
-        )
 
     def save_own_variables(self, store):
         """Saves the model's own variables and its pending window.

@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import keras_accum
 
@@ -58,6 +59,39 @@ def segmentation_net(num_classes=3, size=8):
     return inputs, outputs
 
 
+class SubclassedMLP:
+    """`dense_net()`'s layers and `call()`, for a subclassed model class."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(7, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+class Subclassed(SubclassedMLP, keras.Model):
+    """`dense_net()` as a subclassed `keras.Model`."""
+
+
+class AccumulatingSubclassed(
+    SubclassedMLP, keras_accum.GradientAccumulationModel
+):
+    """`dense_net()` as a subclassed `GradientAccumulationModel`."""
+
+
+class Plain(keras_accum.GradientAccumulationModel):
+    """A subclassed `GradientAccumulationModel`: one `Dense(units)`."""
+
+    def __init__(self, units=1, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.dense(x)
+
+
 def twins(build, steps, **kwargs):
     """Plain `keras.Model` and `GradientAccumulationModel`, same weights."""
     keras.utils.set_random_seed(0)
@@ -67,6 +101,52 @@ def twins(build, steps, **kwargs):
     )
     ours.set_weights(reference.get_weights())
     return reference, ours
+
+
+# Set by tests/test_in_step.py: `fit_side_by_side` then trains ours with
+# the micro-batches inside the train step (`micro_batch_size`).
+IN_STEP = False
+
+
+def _in_step(ours, micro_batch, steps):
+    """Ours with micro-batches of `micro_batch` inside each step.
+
+    Windows of two steps when `steps` is even (one otherwise): the batch is
+    `steps * micro_batch / 2`. Returns that batch size and a function that
+    checks that training saw `micro_batch` rows at most (and `rows` in all).
+    """
+    windows = 2 if steps % 2 == 0 else 1
+    ours.gradient_accumulation_steps = windows
+    ours.micro_batch_size = micro_batch
+    layer = next(l for l in ours.layers if l.trainable_weights)
+    largest = tf.Variable(0, trainable=False)
+    seen = tf.Variable(0, trainable=False)
+    call, train_step = layer.call, ours.train_step
+    training = []
+
+    def watched(inputs, *args, **kwargs):
+        if training:  # inside `train_step`, not validation or predict
+            rows = tf.shape(keras.tree.flatten(inputs)[0])[0]
+            largest.assign(tf.maximum(largest, rows))
+            seen.assign_add(rows)
+        return call(inputs, *args, **kwargs)
+
+    def watched_train_step(data):
+        training.append(True)
+        try:
+            return train_step(data)
+        finally:
+            training.pop()
+
+    layer.call = watched
+    ours.train_step = watched_train_step
+
+    def check(rows):
+        assert int(largest.numpy()) == micro_batch
+        if rows is not None:
+            assert int(seen.numpy()) == rows
+
+    return steps * micro_batch // windows, check
 
 
 def fit_side_by_side(
@@ -93,7 +173,10 @@ def fit_side_by_side(
     """
     initial = [np.array(w) for w in reference.get_weights()]
     histories = []
-    for model, batch in ((reference, steps * micro_batch), (ours, micro_batch)):
+    batch, check = micro_batch, None
+    if IN_STEP:
+        batch, check = _in_step(ours, micro_batch, steps)
+    for model, batch in ((reference, steps * micro_batch), (ours, batch)):
         model.compile(
             optimizer=optimizer(),
             loss=loss,
@@ -113,6 +196,8 @@ def fit_side_by_side(
                 **fit_kwargs,
             )
         )
+    if check is not None:
+        check(None if "steps_per_epoch" in fit_kwargs else len(x) * epochs)
     return initial, histories[0], histories[1]
 
 

@@ -1,11 +1,12 @@
 """`tf.distribute`: exactness across replicas and one all-reduce per update.
 
-Each case runs `tests/distributed/worker.py` in fresh processes, so that the
-logical devices and the cluster do not leak into other tests. The worker
-trains `GradientAccumulationModel` under the strategy (graph mode) and the
-reference, plain `keras.Model` on one device with one big batch per window of
-the same samples, and prints the relative update difference (float64) and
-the cross-device reductions executed inside each train step.
+The cases run in `tests/distributed/worker.py`, one after the other in one
+fresh process (a pair of them for multi-worker), so that the logical
+devices and the cluster do not leak into other tests. For each case the
+worker trains `GradientAccumulationModel` under the strategy (graph mode)
+and the reference, plain `keras.Model` on one device with one big batch per
+window of the same samples, and prints the relative update difference
+(float64) and the cross-device reductions executed inside each train step.
 
 The `dropped` case (`non_finite_policy="drop_micro_batch"`) drops every
 micro-batch of one window on one replica only: the update must be the big
@@ -44,6 +45,7 @@ PER_UPDATE = 2
 # then the sums of squared deviations from the global mean.
 BN_PER_UPDATE = 2
 CASES = ["default", "masked", "overflow", "batchnorm", "dropped"]
+MULTI_WORKER_CASES = ["masked", "overflow", "batchnorm"]
 
 
 def _env(extra=None):
@@ -55,6 +57,17 @@ def _env(extra=None):
 
 def _result(stdout):
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _results(stdout, cases):
+    """The worker's JSON line of each case, by case."""
+    results = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            results[result["case"]] = result
+    assert sorted(results) == sorted(cases), stdout[-3000:]
+    return results
 
 
 def _per_update(case):
@@ -99,14 +112,23 @@ def _log_reductions(result):
     )
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_mirrored_strategy(case):
+def test_mirrored_strategy():
+    # All cases in one process, one after the other, with the changing-N
+    # case (`masked:schedule`) last.
+    cases = CASES + ["masked:schedule"]
     run = subprocess.run(
-        [sys.executable, WORKER, "--strategy", "mirrored", "--case", case],
-        capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
+        [sys.executable, WORKER, "--strategy", "mirrored", "--case", *cases],
+        capture_output=True, text=True, timeout=TIMEOUT * len(cases),
+        env=_env(),
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    result = _result(run.stdout)
+    results = _results(run.stdout, cases)
+    for case in CASES:
+        _check_mirrored(results[case], case)
+    _check_changing_steps(results["masked:schedule"])
+
+
+def _check_mirrored(result, case):
     _check(result, case)
     # Within the train steps: reductions only on steps that end a window
     # (full windows; partial ones are flushed after the epoch's last step),
@@ -114,23 +136,16 @@ def test_mirrored_strategy(case):
     # Keras' synchronized moments: three all-reduces (sums, sums of squares,
     # counts) per forward pass; nothing of ours on every micro-step.
     base = min(d for _, d in result["reductions_per_step"])
-    assert base == (3 if case == "batchnorm" else 0)
+    assert base == (3 if case == "batchnorm" else 0), case
     for applied, reductions in result["reductions_per_step"]:
         reductions -= base
         assert reductions == (_per_update(case) if applied else 0) or (
             case == "overflow" and reductions == 1 and not applied
-        )
+        ), (case, result["reductions_per_step"])
 
 
-def test_mirrored_strategy_with_changing_steps():
+def _check_changing_steps(result):
     """N = 3 in epoch 0, 2 in epoch 1 (`GradientAccumulationScheduler`)."""
-    run = subprocess.run(
-        [sys.executable, WORKER, "--strategy", "mirrored", "--case", "masked",
-         "--schedule"],
-        capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = _result(run.stdout)
     _check(result, "masked")
     assert result["iterations"] == 3 + 4
 
@@ -141,8 +156,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["masked", "overflow", "batchnorm"])
-def test_multi_worker_mirrored_strategy(case):
+def test_multi_worker_mirrored_strategy():
+    # All cases in one pair of worker processes, one after the other.
+    cases = MULTI_WORKER_CASES
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     processes = []
     try:
@@ -151,11 +167,13 @@ def test_multi_worker_mirrored_strategy(case):
                                                    "index": index}}
             processes.append(subprocess.Popen(
                 [sys.executable, WORKER, "--strategy", "multiworker",
-                 "--case", case],
+                 "--case", *cases],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env=_env({"TF_CONFIG": json.dumps(config)}),
             ))
-        outputs = [p.communicate(timeout=TIMEOUT) for p in processes]
+        outputs = [
+            p.communicate(timeout=TIMEOUT * len(cases)) for p in processes
+        ]
     finally:
         for p in processes:
             if p.poll() is None:
@@ -163,14 +181,19 @@ def test_multi_worker_mirrored_strategy(case):
                 p.wait()
     for p, (stdout, stderr) in zip(processes, outputs):
         assert p.returncode == 0, stderr[-3000:]
-    results = [_result(stdout) for stdout, _ in outputs]
+    per_worker = [_results(stdout, cases) for stdout, _ in outputs]
+    for case in cases:
+        _check_multi_worker([results[case] for results in per_worker], case)
+
+
+def _check_multi_worker(results, case):
     assert sorted(r["worker"] for r in results) == [0, 1]
     for result in results:
         _check(result, case)
     # Both workers saw the same reductions, step by step.
     assert results[0]["reductions_per_step"] == results[1][
         "reductions_per_step"
-    ]
+    ], case
     # Over Keras' per-step reductions: 2 on steps that apply an update (4
     # with BatchNormalization), 1 on a skipped window's last step (the
     # scalars), 0 on the others.
@@ -181,7 +204,7 @@ def test_multi_worker_mirrored_strategy(case):
         expected = [0, 0, 1, 0, 0, 2, 0, 0] * 2
     else:
         expected = [_per_update(case) * w for w in window_end]
-    assert extra == expected
+    assert extra == expected, case
 
 
 def test_single_replica_mirrored_strategy(float64):

@@ -12,6 +12,7 @@ from conftest import RTOL
 from conftest import assert_close_to_reference
 from conftest import record
 from conftest import update_difference
+from helpers import AccumulatingSubclassed
 from helpers import classification_data
 from helpers import dense_net
 from helpers import fit_side_by_side
@@ -27,7 +28,6 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
 }
-
 
 
 def scce():
@@ -345,19 +345,9 @@ def test_tf_data_input(float64, mode, compile_kwargs):
 
 def test_functional_subclassed_and_wrapped(float64):
     x, y = classification_data(n=16)
-
-    class Subclassed(keras_accum.GradientAccumulationModel):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.hidden = keras.layers.Dense(7, activation="tanh")
-            self.out = keras.layers.Dense(3)
-
-        def call(self, inputs):
-            return self.out(self.hidden(inputs))
-
     keras.utils.set_random_seed(0)
     reference = keras.Model(*dense_net())
-    subclassed = Subclassed(gradient_accumulation_steps=2)
+    subclassed = AccumulatingSubclassed(gradient_accumulation_steps=2)
     subclassed(x[:1])
     subclassed.set_weights(reference.get_weights())
     sequential = keras.Sequential(

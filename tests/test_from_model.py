@@ -9,21 +9,13 @@ import numpy as np
 import pytest
 from conftest import RTOL
 from conftest import assert_close_to_reference
+from helpers import Plain
+from helpers import Subclassed
 from helpers import classification_data
 
 import keras_accum
 
 GAM = keras_accum.GradientAccumulationModel
-
-
-class Subclassed(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(7, activation="tanh")
-        self.out = keras.layers.Dense(3)
-
-    def call(self, inputs):
-        return self.out(self.hidden(inputs))
 
 
 def _functional():
@@ -124,17 +116,5 @@ def test_functional_subclasses_leave_classes_intact():
         assert isinstance(net, Net)
     assert {cls: cls.__bases__ for cls in bases} == bases
     # A subclassed model of ours still builds afterwards.
-    plain = _accumulating_subclassed()
+    plain = Plain(units=3, gradient_accumulation_steps=2)
     plain(np.zeros((1, 6)))
-
-
-def _accumulating_subclassed():
-    class Plain(GAM):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(3)
-
-        def call(self, x):
-            return self.dense(x)
-
-    return Plain(gradient_accumulation_steps=2)

@@ -4,11 +4,14 @@ Tiny models built from config, with a vocabulary made here (nothing is
 downloaded). The reference is keras-hub's own task on the big batch.
 """
 
+import types
+
 import keras
 import numpy as np
 import pytest
 from conftest import RTOL
 from conftest import assert_close_to_reference
+from helpers import Plain
 
 import keras_accum
 
@@ -87,19 +90,36 @@ def _assert_window_equals_big_batch(case, initial, reference, ours):
     )
 
 
-def test_converted_task_stays_a_task():
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A task converted with `from_model()`, trained on raw strings, saved.
+
+    Two epochs of 4 micro-batches with N=3: a window, then a pending one of
+    a single micro-batch, applied when the epoch ends. Shared by the tests
+    that read it (training a task is what takes time).
+    """
     task = _gpt2()
     optimizer = task.optimizer  # keras-hub compiles in `__init__`
-    model = GAM.from_model(task, gradient_accumulation_steps=2)
-    assert model is task
+    model = GAM.from_model(task, gradient_accumulation_steps=3)
+    # Raw strings in, through the task's preprocessor.
+    history = model.fit(TEXTS, batch_size=2, epochs=2, verbose=0)
+    path = str(tmp_path_factory.mktemp("gpt2") / "gpt2.keras")
+    model.save(path)
+    return types.SimpleNamespace(
+        task=task, optimizer=optimizer, model=model, history=history,
+        iterations=int(model.optimizer.iterations), path=path,
+    )
+
+
+def test_converted_task_stays_a_task(converted):
+    model = converted.model
+    assert model is converted.task
     assert isinstance(model, keras_hub.models.GPT2CausalLM)
     assert isinstance(model, GAM)
     assert model.preprocessor is not None
-    assert model.optimizer is optimizer
-    # Raw strings in, through the task's preprocessor.
-    history = model.fit(TEXTS, batch_size=2, epochs=2, verbose=0)
-    assert int(model.optimizer.iterations) == 4
-    assert history.history["updates"] == [2, 4]
+    assert model.optimizer is converted.optimizer
+    assert converted.iterations == 4
+    assert converted.history.history["updates"] == [2, 4]
     assert isinstance(model.generate("air", max_length=6), str)
     # `compile()` without arguments keeps keras-hub's defaults.
     model.compile()
@@ -109,6 +129,27 @@ def test_converted_task_stays_a_task():
         default.optimizer.learning_rate
     )
     assert type(model.loss) is type(default.loss)
+
+
+def test_converted_task_saved_and_loaded(converted):
+    # Saved after `fit()` (whose epochs ended with a pending window).
+    model = converted.model
+    loaded = keras.saving.load_model(converted.path)
+    assert isinstance(loaded, keras_hub.models.GPT2CausalLM)
+    assert isinstance(loaded, GAM)
+    assert loaded.gradient_accumulation_steps == 3
+    assert loaded.preprocessor is not None
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+        loaded.predict(["air at"], verbose=0),
+        model.predict(["air at"], verbose=0),
+    )
+    # The pending windows were applied when the epochs ended: 4 updates,
+    # and the optimizer goes on.
+    assert int(loaded.optimizer.iterations) == 4
+    loaded.fit(TEXTS[:6], batch_size=2, verbose=0)
+    assert int(loaded.optimizer.iterations) == 5
 
 
 def test_padded_language_model_window_equals_big_batch(float64):
@@ -186,40 +227,10 @@ def test_subclass_of_a_task_keeps_every_class_intact(float64):
     )
 
     # Plain subclasses of ours still work afterwards.
-    class Plain(GAM):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(1)
-
-        def call(self, x):
-            return self.dense(x)
-
     plain = Plain(gradient_accumulation_steps=2)
     plain.compile(optimizer="sgd", loss="mse")
     plain.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, verbose=0)
     assert int(plain.optimizer.iterations) == 1
-
-
-def test_converted_task_saved_and_loaded(tmp_path):
-    model = GAM.from_model(_gpt2(), gradient_accumulation_steps=3)
-    model.fit(TEXTS[:4], batch_size=2, verbose=0)  # one window pending...
-    path = str(tmp_path / "gpt2.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path)
-    assert isinstance(loaded, keras_hub.models.GPT2CausalLM)
-    assert isinstance(loaded, GAM)
-    assert loaded.gradient_accumulation_steps == 3
-    assert loaded.preprocessor is not None
-    for a, b in zip(model.get_weights(), loaded.get_weights()):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(
-        loaded.predict(["air at"], verbose=0),
-        model.predict(["air at"], verbose=0),
-    )
-    # ...applied when `fit()` ended: 1 update, and the optimizer goes on.
-    assert int(loaded.optimizer.iterations) == 1
-    loaded.fit(TEXTS[:6], batch_size=2, verbose=0)
-    assert int(loaded.optimizer.iterations) == 2
 
 
 def test_image_segmenter():

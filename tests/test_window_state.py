@@ -206,8 +206,9 @@ def test_restore_mid_window_equals_uninterrupted(
     x, y = _data(7 * B)
     epochs = 2
     if flush_at_epoch_end:
-        # micro_step 1, 2, 3 of the first window.
-        points = [(0, 1), (0, 2), (0, 3)]
+        # micro_step 1, 2, 3 of the first window of the last epoch (after
+        # the updates of the first one, its partial window included).
+        points = [(1, 1), (1, 2), (1, 3)]
     else:
         # micro_step 3 carried over the boundary; then micro_step 1 and 2.
         points = [(0, "end"), (1, 2), (1, 3)]

@@ -1,11 +1,12 @@
 """Trains under a `tf.distribute` strategy and compares with one big batch.
 
 Run by `tests/test_distribute.py` in subprocesses, so that the logical device
-setup and the cluster do not leak into other tests. Prints one JSON line.
+setup and the cluster do not leak into other tests. Prints one JSON line
+per case.
 
 Usage:
     python worker.py --strategy mirrored --case masked
-    python worker.py --strategy mirrored --case batchnorm
+    python worker.py --strategy mirrored --case batchnorm default masked:schedule
     TF_CONFIG=... python worker.py --strategy multiworker --case default
 """
 
@@ -23,6 +24,7 @@ GLOBAL_MICRO_BATCH = 4  # samples per micro-batch over all replicas
 STEPS = 3  # micro-batches per update
 SAMPLES = 30  # 8 micro-batches per epoch: windows of 3, 3 and a short 2
 DROPPED = (0, 4, 8)  # "dropped" case: one non-finite sample per micro-batch
+CASES = ("default", "masked", "overflow", "batchnorm", "dropped")
 
 
 class ReductionCounter:
@@ -82,9 +84,9 @@ def _count_tensors(method, args):
     return len(args[0])
 
 
-def build_model(cls, keras, case, **kwargs):
+def build_model(cls, keras, case, synchronized=True, **kwargs):
     if case == "batchnorm":
-        return build_batch_norm_model(cls, keras, **kwargs)
+        return build_batch_norm_model(cls, keras, synchronized, **kwargs)
     if case == "masked":
         inputs = keras.Input((6, 6, 2))
         h = keras.layers.Conv2D(3, 3, padding="same", activation="tanh")(
@@ -98,7 +100,7 @@ def build_model(cls, keras, case, **kwargs):
     return cls(inputs, outputs, **kwargs)
 
 
-def build_batch_norm_model(cls, keras, **kwargs):
+def build_batch_norm_model(cls, keras, synchronized=True, **kwargs):
     """BatchNormalization layers directly on the input, on side branches.
 
     Their moving statistics depend on the input only, so they must equal the
@@ -107,7 +109,8 @@ def build_batch_norm_model(cls, keras, **kwargs):
     exactly zero and every other weight must also equal the reference's
     (with BatchNormalization on the main path, each micro-batch is normalised
     by its own statistics and the weights cannot equal one big batch's).
-    Layers: a plain one, a `synchronized=True` one and one called twice.
+    Layers: a plain one, a `synchronized=True` one (not with
+    `micro_batch_size`, which refuses it) and one called twice.
     """
     layers = keras.layers
     inputs = keras.Input((6,))
@@ -117,7 +120,9 @@ def build_batch_norm_model(cls, keras, **kwargs):
     side = layers.Concatenate()(
         [
             layers.BatchNormalization(momentum=0.7)(inputs),
-            layers.BatchNormalization(momentum=0.8, synchronized=True)(inputs),
+            layers.BatchNormalization(
+                momentum=0.8, synchronized=synchronized
+            )(inputs),
             shared(inputs),
             shared(layers.Rescaling(-2.0, offset=1.0)(inputs)),
         ]
@@ -162,9 +167,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["mirrored", "multiworker"])
     parser.add_argument(
-        "--case",
-        choices=["default", "masked", "overflow", "batchnorm", "dropped"],
-        default="default",
+        "--case", nargs="+", default=["default"],
+        help="Cases to run one after the other, one JSON line each; "
+        "CASE:schedule runs CASE as with --schedule.",
     )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-count", action="store_true")
@@ -172,7 +177,21 @@ def main():
         "--schedule", action="store_true",
         help="N = 3 in epoch 0, then 2 (GradientAccumulationScheduler).",
     )
+    parser.add_argument(
+        "--in-step", action="store_true",
+        help="Windows of 3 micro-batches inside one train step "
+        "(micro_batch_size), on batches of 12.",
+    )
     args = parser.parse_args()
+    runs = []
+    for spec in args.case:
+        case, _, option = spec.partition(":")
+        if case not in CASES or option not in ("", "schedule"):
+            parser.error(f"invalid case: {spec!r}")
+        runs.append(argparse.Namespace(
+            **dict(vars(args), case=case, schedule=args.schedule or bool(option)),
+            spec=spec,
+        ))
 
     if args.strategy == "mirrored":
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -189,12 +208,23 @@ def main():
 
     import keras
 
-    import keras_accum
-
     keras.config.disable_traceback_filtering()
 
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
+    counter = ReductionCounter(strategy, enabled=not args.no_count)
+    for run in runs:
+        result = run_case(run, strategy, counter, worker, workers)
+        print(json.dumps(dict(result, case=run.spec)))
+        sys.stdout.flush()
+
+
+def run_case(args, strategy, counter, worker, workers):
+    """Trains ours and the reference for `args.case`; returns the results."""
+    import keras
+
+    import keras_accum
+
     masked = args.case == "masked"
     x, y = make_data(args.case)
 
@@ -207,11 +237,30 @@ def main():
     reference = build_model(keras.Model, keras, args.case)
     initial = reference.get_weights()
 
-    counter = ReductionCounter(strategy, enabled=not args.no_count)
+    counter.counter.assign(0)
+    counter.tensors.assign(0)
+    refused = None
+    if args.in_step and args.case == "batchnorm":
+        # A synchronized layer all-reduces inside the step's loop: refused.
+        with strategy.scope():
+            model = build_model(
+                keras_accum.GradientAccumulationModel, keras, args.case,
+                micro_batch_size=2,
+            )
+            model.compile(optimizer="sgd", loss=loss())
+        try:
+            model.fit(x[:4], y[:4], batch_size=4, verbose=0)
+        except ValueError as error:
+            refused = "synchronized=True" in str(error)
     with strategy.scope():
         ours = build_model(
             keras_accum.GradientAccumulationModel, keras, args.case,
-            gradient_accumulation_steps=STEPS,
+            synchronized=not args.in_step,
+            gradient_accumulation_steps=1 if args.in_step else STEPS,
+            micro_batch_size=(
+                GLOBAL_MICRO_BATCH // strategy.num_replicas_in_sync
+                if args.in_step else None
+            ),
             non_finite_policy=(
                 "drop_micro_batch" if args.case == "dropped" else "skip_window"
             ),
@@ -251,7 +300,8 @@ def main():
     replicas = strategy.num_replicas_in_sync
     if args.strategy == "mirrored":
         data = (x, y)
-        ours.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, epochs=args.epochs,
+        batch = GLOBAL_MICRO_BATCH * (STEPS if args.in_step else 1)
+        ours.fit(x, y, batch_size=batch, epochs=args.epochs,
                  shuffle=False, verbose=0, callbacks=spy)
     else:
         # Each worker reads its own shard: worker w holds the w-th of the
@@ -311,7 +361,7 @@ def main():
     ]
     moving_diff = difference([weights[i] for i in moving])
     micro_batches = args.epochs * -(-SAMPLES // GLOBAL_MICRO_BATCH)
-    print(json.dumps({
+    return {
         "worker": worker,
         "replicas": replicas,
         "relative_update_difference": diff,
@@ -325,8 +375,8 @@ def main():
         "reduced_tensors": int(counter.tensors.numpy()),
         "trainable_tensors": len(ours.trainable_variables),
         "reductions_per_step": spy[0].steps,
-    }))
-    sys.stdout.flush()
+        "synchronized_refused": refused,
+    }
 
 
 if __name__ == "__main__":

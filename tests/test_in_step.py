@@ -1,0 +1,317 @@
+"""Micro-batches inside the train step (`micro_batch_size`, issue #16).
+
+The exactness tests of the cross-step mode run again here with the
+micro-batches inside the step, in float64: ours trains on batches of
+`N * B` (or of `N * B / 2`, two steps per window) split into micro-batches
+of `B`, against plain `keras.Model` on batches of `N * B`, and checks that
+its first layer saw `B` rows at most in training. (The optimizer-feature
+counting and `IndexedSlices`-with-Adam cases add no path of their own.)
+Below them, what is specific to the mode.
+"""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import helpers
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import test_equivalence
+from conftest import RTOL
+from conftest import assert_close_to_reference
+from conftest import record
+from conftest import relative_difference
+from helpers import classification_data
+from helpers import dense_net
+from helpers import masked_mean_rtol
+from helpers import twins
+from test_batch_norm import _fit as bn_fit
+from test_batch_norm import _moving
+from test_batch_norm import _regression_data
+from test_batch_norm import bn_on_input
+from test_distribute import TIMEOUT
+from test_distribute import WORKER
+from test_distribute import _env
+from test_equivalence import scce
+from test_mixed_precision import MIXED_UPDATE_RTOL
+from test_mixed_precision import _data as mp_data
+from test_mixed_precision import _loss as mp_loss
+from test_mixed_precision import _sgd as mp_sgd
+from test_mixed_precision import conv_net
+
+import keras_accum
+from test_equivalence import test_ignore_class  # noqa: F401
+from test_equivalence import test_keras_mask_on_predictions  # noqa: F401
+from test_equivalence import (  # noqa: F401
+    test_multi_output_loss_weights_and_regularisers,
+)
+from test_equivalence import test_one_step_trains_exactly_like_keras_model  # noqa: F401
+from test_equivalence import test_sample_weight  # noqa: F401
+from test_equivalence import test_short_last_micro_batch_and_window  # noqa: F401
+from test_equivalence import (  # noqa: F401
+    test_steps_per_execution_validation_evaluate_predict,
+)
+from test_equivalence import test_sum_reduction  # noqa: F401
+from test_gradients import test_indexed_slices_from_embedding  # noqa: F401
+from test_gradients import test_none_gradients_for_unused_variables  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _in_step(monkeypatch):
+    monkeypatch.setattr(helpers, "IN_STEP", True)
+
+
+@pytest.fixture
+def precision(float64):
+    """float64 only: float32 adds no path of its own here."""
+    return float64
+
+
+def test_default_reduction(precision, mode, compile_kwargs):
+    """With AdamW (the optimizer adds no path of its own here)."""
+    test_equivalence.test_default_reduction(
+        "adamw", precision, mode, compile_kwargs
+    )
+
+
+@pytest.mark.parametrize("case", ["masked", "batchnorm"])
+def test_mirrored_strategy(case):
+    """Two replicas, each splitting its half of every batch of 12 into
+    micro-batches of 2 (the last batch: 6, so 2 + 1 per replica)."""
+    run = subprocess.run(
+        [sys.executable, WORKER, "--strategy", "mirrored", "--case", case,
+         "--in-step"],
+        capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    rtol = masked_mean_rtol(1e-9) if case == "masked" else 1e-9
+    assert result["relative_update_difference"] <= rtol, result
+    assert result["iterations"] == result["reference_iterations"] == 6
+    if case == "batchnorm":
+        assert result["moving_statistics"] == 6
+        assert result["moving_statistics_difference"] <= 1e-9, result
+        # A `synchronized=True` layer would all-reduce inside the loop.
+        assert result["synchronized_refused"] is True
+    # Every step is a window, with the reductions of one update and none
+    # per micro-batch.
+    per_update = 2 + (2 if case == "batchnorm" else 0)
+    assert [d for _, d in result["reductions_per_step"]] == [per_update] * 6
+    assert all(applied for applied, _ in result["reductions_per_step"])
+
+
+def test_batch_norm_moving_statistics(float64, mode, compile_kwargs):
+    """Moved once per update from all micro-batches of the step (76
+    samples in batches of 32, micro-batches of 8: the last batch 8 + 4)."""
+    x, y = _regression_data(76)
+    keras.utils.set_random_seed(0)
+    reference = keras.Model(*bn_on_input())
+    ours = keras_accum.GradientAccumulationModel(
+        *bn_on_input(), micro_batch_size=8
+    )
+    ours.set_weights(reference.get_weights())
+    bn_fit(reference, x, y, 32, compile_kwargs, epochs=2)
+    bn_fit(ours, x, y, 32, compile_kwargs, epochs=2)
+    assert int(ours.optimizer.iterations) == 6
+    diff = relative_difference(_moving(reference), _moving(ours))
+    record(f"in-step: BN moving statistics, {mode}", diff)
+    assert diff <= 1e-9
+
+
+def _mixed_precision_models(**kwargs):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    reference = keras.Model(*conv_net())
+    ours = keras_accum.GradientAccumulationModel(
+        *conv_net(), micro_batch_size=4, **kwargs
+    )
+    ours.set_weights(reference.get_weights())
+    return reference, ours
+
+
+@pytest.mark.parametrize("bad", [0, 2])
+def test_overflow_skips_the_step(bad, mode, compile_kwargs):
+    """Micro-batch `bad` of the first batch of 12 overflows in float16."""
+    x, y = mp_data(24)
+    x[bad * 4 : (bad + 1) * 4] *= 1e6
+    reference, ours = _mixed_precision_models()
+    ours.compile(optimizer=mp_sgd(), loss=mp_loss(), **compile_kwargs)
+    initial = [np.array(w) for w in ours.get_weights()]
+    ours.fit(x[:12], y[:12], batch_size=12, shuffle=False, verbose=0)
+    for a, b in zip(initial, ours.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(ours.optimizer.iterations) == 0
+    assert float(ours.optimizer.dynamic_scale) == 2.0**14  # halved once
+    assert int(ours.skipped_windows) == 1
+    # The next batch trains: it equals the big batch of its samples.
+    ours.fit(x[12:], y[12:], batch_size=12, shuffle=False, verbose=0)
+    reference.compile(optimizer=mp_sgd(), loss=mp_loss())
+    reference.fit(x[12:], y[12:], batch_size=12, shuffle=False, verbose=0)
+    assert_close_to_reference(
+        "in-step: overflow, the step after a skipped one", initial,
+        reference.get_weights(), ours.get_weights(), MIXED_UPDATE_RTOL,
+    )
+
+
+def test_drop_micro_batch_policy(mode, compile_kwargs):
+    """Micro-batch 1 of the second batch overflows: only it is dropped."""
+    x, y = mp_data(24)
+    x[16:20] *= 1e6
+    reference, ours = _mixed_precision_models(
+        non_finite_policy="drop_micro_batch"
+    )
+    initial = [np.array(w) for w in ours.get_weights()]
+    ours.compile(optimizer=mp_sgd(), loss=mp_loss(), **compile_kwargs)
+    ours.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+    reference.compile(optimizer=mp_sgd(), loss=mp_loss())
+    reference.train_on_batch(x[:12], y[:12])
+    keep = np.r_[12:16, 20:24]
+    reference.train_on_batch(x[keep], y[keep])
+    assert int(ours.optimizer.iterations) == 2
+    assert int(ours.gradient_accumulator.dropped_micro_batches) == 1
+    # Halved at the overflow: the micro-batch after it used the new scale.
+    assert float(ours.optimizer.dynamic_scale) == 2.0**14
+    assert_close_to_reference(
+        "in-step: drop_micro_batch", initial,
+        reference.get_weights(), ours.get_weights(), MIXED_UPDATE_RTOL,
+    )
+
+
+def test_pending_window_saved_and_loaded(float64, tmp_path):
+    """Two steps per window, saved by a callback after the first step (3
+    micro-batches pending); loaded, the second step completes the window as
+    the big batch of both."""
+    x, y = classification_data(n=24)
+    reference, ours = twins(dense_net, steps=2, micro_batch_size=5)
+    initial = [np.array(w) for w in reference.get_weights()]
+    for model in (reference, ours):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=scce())
+    path = str(tmp_path / "pending.keras")
+    pending = []
+
+    def save(batch, logs):
+        if batch == 0:
+            pending.append(int(ours.micro_step))
+            ours.save(path)
+
+    ours.fit(
+        x[:12], y[:12], batch_size=12, verbose=0,
+        callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=save)],
+    )
+    assert pending == [3]
+    loaded = keras.saving.load_model(path)
+    assert loaded.micro_batch_size == 5
+    assert loaded.gradient_accumulation_steps == 2
+    assert int(loaded.micro_step) == 3
+    loaded.fit(x[12:], y[12:], batch_size=12, verbose=0)
+    reference.fit(x, y, batch_size=24, verbose=0)
+    assert int(loaded.optimizer.iterations) == 1
+    assert_close_to_reference(
+        "in-step: pending window through .keras", initial,
+        reference.get_weights(), loaded.get_weights(), RTOL["float64"],
+    )
+
+
+def test_one_traced_loop_whatever_the_batch(float64):
+    """The micro-batches run in a loop: the forward pass is traced once
+    for the full micro-batches (and once for a short last one), however
+    many the batch holds; nothing is unrolled."""
+    x, y = classification_data(n=64)
+    _, ours = twins(dense_net, steps=1, micro_batch_size=4)
+    ours.compile(optimizer="sgd", loss=scce())
+    traces = []
+    call = ours.call
+
+    def counted(*args, **kwargs):
+        traces.append(1)
+        return call(*args, **kwargs)
+
+    ours.call = counted
+    for batch in (8, 64):  # 2 and 16 micro-batches
+        traces.clear()
+        ours.fit(x, y, batch_size=batch, verbose=0)
+        # Symbolic build aside: the loop body, and the short-batch branch.
+        assert len(traces) <= 3, (batch, len(traces))
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "8"])
+def test_invalid_micro_batch_size(value):
+    with pytest.raises(ValueError, match="`micro_batch_size` must be an integer >= 1. Received: micro_batch_size="):
+        keras_accum.GradientAccumulationModel(
+            *dense_net(), micro_batch_size=value
+        )
+
+
+def test_start_line_and_logs(capsys):
+    x, y = classification_data(n=40)
+    _, ours = twins(dense_net, steps=2, micro_batch_size=4)
+    ours.compile(optimizer="sgd", loss=scce(), metrics=["accuracy"])
+    history = ours.fit(x, y, batch_size=10, epochs=1, verbose=2)
+    assert (
+        "Gradient accumulation: micro-batches of at most 4 samples inside "
+        "each step, 2 steps of 10 samples per update = an effective batch "
+        "of 20; 2 updates per epoch of 4 steps." in capsys.readouterr().out
+    )
+    assert history.history["updates"] == [2]
+    # The config round trip keeps it.
+    config = ours.get_config()
+    assert config["micro_batch_size"] == 4
+
+
+def test_keras_hub_task(float64):
+    """A keras-hub causal LM on raw strings: batches of 8 texts split in
+    micro-batches of 2 (16, 5, 10 and 3 real tokens), the loss a mean over
+    real tokens; against keras-hub's own task on the batch."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from test_keras_hub import TEXTS
+    from test_keras_hub import _assert_window_equals_big_batch
+    from test_keras_hub import _gpt2
+
+    def compile_kwargs():
+        return dict(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"
+            ),
+        )
+
+    reference = _gpt2()
+    ours = keras_accum.GradientAccumulationModel.from_model(
+        _gpt2(), gradient_accumulation_steps=1, micro_batch_size=2
+    )
+    initial = [np.array(w) for w in reference.get_weights()]
+    reference.compile(**compile_kwargs())
+    reference.fit(TEXTS, batch_size=8, verbose=0)
+    ours.compile(**compile_kwargs())
+    ours.fit(TEXTS, batch_size=8, verbose=0)
+    assert int(ours.optimizer.iterations) == 1
+    assert isinstance(ours, keras_hub.models.GPT2CausalLM)
+    _assert_window_equals_big_batch(
+        "in-step: keras-hub GPT2CausalLM, mean over real tokens",
+        initial, reference, ours,
+    )
+    assert isinstance(ours.generate("air", max_length=6), str)
+
+
+def test_warns_of_xla_convolutions_on_cpu():
+    """XLA's CPU backend runs convolution gradients inside a loop ~10x
+    slower (benchmarks/README.md): said once, when the step is made."""
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("the warning is for machines without an accelerator")
+    cases = {
+        ("conv", True): True, ("conv", False): False, ("dense", True): False,
+    }
+    for (net, jit), warns in cases.items():
+        build = conv_net if net == "conv" else dense_net
+        model = keras_accum.GradientAccumulationModel(
+            *build(), micro_batch_size=4
+        )
+        model.compile(optimizer="sgd", loss=scce(), jit_compile=jit)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.make_train_function()
+        said = [w for w in caught if "convolution gradients" in str(w.message)]
+        assert bool(said) is warns, (net, jit)
