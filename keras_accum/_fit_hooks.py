@@ -102,13 +102,8 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
 
 
 class _WindowEnd(keras.callbacks.Callback):
-    """Applies a partial window before other callbacks see an epoch's end.
-
-    Runs first. The last epoch's window is applied here even without
-    `flush_at_epoch_end`, so before Keras finalizes the weights (EMA), and
-    the epoch's `updates` log counts it. Also prints what an update is made
-    of when `fit()` starts.
-    """
+    """Runs first: applies a partial window before others see an epoch's
+    end (the last epoch's always: before EMA is finalized); the start line."""
 
     def __init__(self, batch=None):
         super().__init__()
@@ -135,13 +130,8 @@ class _WindowEnd(keras.callbacks.Callback):
 
 
 class _LastWindowEnd(keras.callbacks.Callback):
-    """Applies a partial window after the epoch's last batch, before validation.
-
-    Runs last: every callback sees the last batch as it left the train step.
-    For input of unknown length the train function ends the window when the
-    input runs out. A window carried over the epoch is applied here when a
-    callback stopped the training at the epoch's end.
-    """
+    """Runs last: applies a partial window after the epoch's last batch
+    (before validation), and a carried one when a callback stopped fit."""
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self.params.get("steps") if self.params else None

@@ -342,15 +342,17 @@ class GradientAccumulator(tf.Module):
         """
         variables = list(variables)
         if self._accumulates:
-            self._add(gradients, optimizer, variables, normalizer,
-                      gradient_scale)
+            _accumulate(
+                self, gradients, optimizer, variables, normalizer,
+                gradient_scale,
+            )
             return self._end_window(
                 optimizer,
                 variables,
                 self._resolve_policy(optimizer),
                 self.micro_step >= self.window_steps,
             )
-        gradients, policy = self._checked(gradients, optimizer, variables)
+        gradients, policy = _checked(self, gradients, optimizer, variables)
         with tf.control_dependencies(_tensors(gradients)):
             gradients = _unscaled(gradients, optimizer, self._overwrite)
             return _apply_directly(
@@ -386,17 +388,9 @@ class GradientAccumulator(tf.Module):
                 "before the train step is traced."
             )
         self._counts_steps = True
-        self._add(gradients, optimizer, variables, normalizer, gradient_scale)
-
-    def _add(self, gradients, optimizer, variables, normalizer, gradient_scale):
-        gradients, policy = self._checked(gradients, optimizer, list(variables))
-        # Nothing below runs before the gradients exist: a step whose input
-        # ran out (Keras' end-of-data call) changes no state.
-        with tf.control_dependencies(_tensors(gradients)):
-            gradients = _unscaled(gradients, optimizer, self._overwrite)
-            self._accumulate(
-                gradients, normalizer, gradient_scale, optimizer, policy
-            )
+        _accumulate(
+            self, gradients, optimizer, variables, normalizer, gradient_scale
+        )
 
     def end_step(self, optimizer, variables):
         """Ends a train step of `add()`s; applies the window after N steps.
@@ -408,22 +402,6 @@ class GradientAccumulator(tf.Module):
         return self._end_window(
             optimizer, list(variables), self._resolve_policy(optimizer), ready
         )
-
-    def _checked(self, gradients, optimizer, variables):
-        """The gradients as a list, and the policy; builds what is missing."""
-        gradients = list(gradients)
-        if len(gradients) != len(variables):
-            raise ValueError(
-                "`gradients` and `variables` must have the same length. "
-                f"Received: {len(gradients)} gradients and "
-                f"{len(variables)} variables."
-            )
-        self.build(variables)
-        if not optimizer.built:
-            # Loss scaling state is read before the first update.
-            optimizer.build(variables)
-        self._gradient_is_none = [g is None for g in gradients]
-        return gradients, self._resolve_policy(optimizer)
 
     def flush(self, optimizer, variables):
         """Applies a partially filled window, if any; a no-op otherwise.
@@ -463,50 +441,8 @@ class GradientAccumulator(tf.Module):
             self.non_finite_policy, is_loss_scale_optimizer(optimizer)
         )
 
-    def _accumulate(self, gradients, normalizer, gradient_scale, optimizer, policy):
-        dtype = self._normalizer_dtype
-        factor = tf.cast(gradient_scale, dtype)
-        if normalizer is None:
-            normalizer = tf.zeros((), dtype)
-        else:
-            normalizer = tf.cast(normalizer, dtype)
-            factor = normalizer * factor
-
-        def add():
-            first = tf.equal(self.added_micro_batches, 0)
-            _add_to_buffers(
-                self._buffers, gradients, factor, first, self._overwrite
-            )
-            self._normalizer_sum.assign_add(normalizer)
-            self.added_micro_batches.assign_add(1)
-            return tf.constant(True)
-
-        finite = _all_finite(gradients, policy)
-        if finite is None:
-            add()
-        else:
-
-            def drop():
-                if policy == "drop_micro_batch":
-                    self.dropped_micro_batches.assign_add(1)
-                    if is_loss_scale_optimizer(optimizer) and not (
-                        in_replica_context()
-                    ):
-                        # Several replicas halve it once at the window's end.
-                        _shrink_loss_scale(optimizer)
-                return tf.constant(False)
-
-            tf.cond(finite, add, drop)
-        self.micro_step.assign_add(1)
-
     def _end_window(self, optimizer, variables, policy, ready):
-        """The one place where a window ends, for one replica or several.
-
-        If `ready`, in cross-replica context (`merge_call`; without a
-        strategy, the default one's): the decision (finite on every replica)
-        and the normaliser are global, the update is applied or skipped, the
-        listeners hear of it, and every replica resets its window.
-        """
+        """The one place where a window ends (docs/design.md, "One window end")."""
 
         def end(strategy, ready):
             ready = strategy.experimental_local_results(ready)[0]
@@ -575,6 +511,78 @@ def _finish_window(accumulator, strategy, optimizer, variables, policy):
     return applied
 
 
+def _checked(accumulator, gradients, optimizer, variables):
+    """The gradients as a list, and the policy; builds what is missing."""
+    gradients, variables = list(gradients), list(variables)
+    if len(gradients) != len(variables):
+        raise ValueError(
+            "`gradients` and `variables` must have the same length. "
+            f"Received: {len(gradients)} gradients and "
+            f"{len(variables)} variables."
+        )
+    accumulator.build(variables)
+    if not optimizer.built:
+        # Loss scaling state is read before the first update.
+        optimizer.build(variables)
+    accumulator._gradient_is_none = [g is None for g in gradients]
+    return gradients, accumulator._resolve_policy(optimizer)
+
+
+def _accumulate(
+    accumulator, gradients, optimizer, variables, normalizer, gradient_scale
+):
+    """Adds one micro-batch to the window (`add()`)."""
+    gradients, policy = _checked(accumulator, gradients, optimizer, variables)
+    # Nothing below runs before the gradients exist: a step whose input ran
+    # out (Keras' end-of-data call) changes no state.
+    with tf.control_dependencies(_tensors(gradients)):
+        _add_micro_batch(
+            accumulator,
+            _unscaled(gradients, optimizer, accumulator._overwrite),
+            normalizer, gradient_scale, optimizer, policy,
+        )
+
+
+def _add_micro_batch(
+    accumulator, gradients, normalizer, gradient_scale, optimizer, policy
+):
+    dtype = accumulator._normalizer_dtype
+    factor = tf.cast(gradient_scale, dtype)
+    if normalizer is None:
+        normalizer = tf.zeros((), dtype)
+    else:
+        normalizer = tf.cast(normalizer, dtype)
+        factor = normalizer * factor
+
+    def add():
+        first = tf.equal(accumulator.added_micro_batches, 0)
+        _add_to_buffers(
+            accumulator._buffers, gradients, factor, first,
+            accumulator._overwrite,
+        )
+        accumulator._normalizer_sum.assign_add(normalizer)
+        accumulator.added_micro_batches.assign_add(1)
+        return tf.constant(True)
+
+    finite = _all_finite(gradients, policy)
+    if finite is None:
+        add()
+    else:
+
+        def drop():
+            if policy == "drop_micro_batch":
+                accumulator.dropped_micro_batches.assign_add(1)
+                if is_loss_scale_optimizer(optimizer) and not (
+                    in_replica_context()
+                ):
+                    # Several replicas halve it once at the window's end.
+                    _shrink_loss_scale(optimizer)
+            return tf.constant(False)
+
+        tf.cond(finite, add, drop)
+    accumulator.micro_step.assign_add(1)
+
+
 def _window_counts(accumulator):
     counts = (
         accumulator.micro_step,
@@ -591,11 +599,8 @@ def _replicas(variable):
 
 
 def _window_gradients(accumulator, normalizer, several):
-    """The buffers divided by the window's normaliser (1 for sums).
-
-    With several replicas, one that added nothing this window (all its
-    micro-batches dropped) contributes zeros, not its stale buffers.
-    """
+    """The buffers over the window's normaliser; zeros from a replica that
+    added nothing (its buffers are stale)."""
     buffers = accumulator._buffers
     if several:
         added = accumulator.added_micro_batches > 0
@@ -658,13 +663,7 @@ def _apply_directly(accumulator, gradients, optimizer, variables, policy):
 
 
 def _add_to_buffers(buffers, gradients, factor, first, overwrite):
-    """`buffer += factor * g`; `buffer = factor * g` if `first`.
-
-    The window's first added micro-batch overwrites the stale buffers (see
-    `GradientAccumulator.reset`): a select fused into the addition under
-    XLA, else a `tf.cond` between writing and adding in place. Buffers of
-    `overwrite` variables keep the largest value instead.
-    """
+    """`buffer += factor * g`, or `= factor * g` if `first` (docs/design.md)."""
     pairs = []
     for b, g, keep_max in zip(buffers, gradients, overwrite):
         if g is None:

@@ -62,12 +62,8 @@ class _Call:
 
 
 class _CallGroup(tf.Module):
-    """The window's running (count, mean, M2) of several calls, flattened.
-
-    One entry per channel of each call in three flat per-replica variables
-    (a call's count repeated over its channels): a few elementwise ops per
-    micro-batch whatever the number of layers.
-    """
+    """The window's running (count, mean, M2) of several calls, flattened
+    into three per-replica vectors (one entry per channel of each call)."""
 
     def __init__(self, keys, dtype, name):
         super().__init__(name=name)
@@ -145,15 +141,8 @@ class _CallGroup(tf.Module):
 def _update_moving_statistics(statistics):
     """`moving = moving * momentum + window * (1 - momentum)` where n > 0.
 
-    One update per recorded call, in call order for a layer called several
-    times (as one big batch does); the calls with the same index (distinct
-    layers) are updated together, elementwise on concatenated vectors.
-
-    Args:
-        statistics: list of (group, count, mean, m2), the window's flat
-            statistics of each group: this replica's own, or under
-            `tf.distribute` those combined over the replicas (in
-            cross-replica context).
+    `statistics`: (group, count, mean, m2) per group. One update per call,
+    in call order; calls of the same index are updated together.
     """
     # (has samples, mean, variance), flat per channel, for each group.
     flat = [
@@ -570,11 +559,7 @@ class _ForwardRecording:
 
 
 def _update_from_replicas(distribution, groups):
-    """Combines the replicas' statistics; updates the moving statistics.
-
-    In cross-replica context. Two all-reduces, for all groups at once: the
-    counts and `n_r * mean_r`, then `M2_r + n_r * (mean_r - mean)**2`.
-    """
+    """Combines the replicas' statistics (two all-reduces); updates."""
     dtype = (
         tf.float64
         if any(group.dtype == tf.float64 for group in groups)

@@ -72,12 +72,8 @@ def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling):
 
 
 def _multi_worker_logs(strategy, logs):
-    """Logs that Keras can average across workers.
-
-    Under multi-worker `tf.distribute` Keras averages each log with
-    `strategy.reduce("MEAN", value, axis=0)`, which fails for scalars: give
-    them a leading axis of one (the mean is the same).
-    """
+    """Logs with a leading axis: Keras' multi-worker `reduce("MEAN", v,
+    axis=0)` fails for scalars."""
     if not compat.in_multi_worker_mode(strategy):
         return logs
     return keras.tree.map_structure(
@@ -506,9 +502,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def train_step(self, data):
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
         if self._micro_batch_size is not None:
-            return self._train_in_micro_batches(x, y, sample_weight)
+            return _train_in_micro_batches(self, x, y, sample_weight)
         y_pred, loss, gradients, normalizer, batch_size = (
-            self._forward_backward(x, y, sample_weight)
+            _forward_backward(self, x, y, sample_weight)
         )
         compat.track_loss(self, loss, batch_size)
         if gradients is not None:
@@ -521,99 +517,6 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             )
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return self._step_logs(logs)
-
-    def _forward_backward(self, x, y, sample_weight):
-        """One micro-batch's predictions, loss, gradients and normaliser."""
-        batch_size = tf.shape(_first_tensor(x))[0]
-        with tf.GradientTape() as tape:
-            # BatchNormalization moving statistics: once per window.
-            with self._batch_norm_statistics.record(self):
-                y_pred = compat.call_for_training(self, x)
-            loss_normalizer.install(self, x, y, y_pred, sample_weight)
-            with loss_normalizer.record_loss_terms() as recording:
-                loss = compat.compute_loss(
-                    self, x=x, y=y, y_pred=y_pred,
-                    sample_weight=sample_weight, training=True,
-                )
-            scaled = loss
-            if self.optimizer is not None:
-                scaled = self.optimizer.scale_loss(loss)
-        if not self.trainable_weights:
-            warnings.warn("The model does not have any trainable weights.")
-            return y_pred, loss, None, None, batch_size
-        gradients = tape.gradient(scaled, self.trainable_weights)
-        normalizer = recording.normalizer(batch_size)
-        return y_pred, loss, gradients, normalizer, batch_size
-
-    def _train_in_micro_batches(self, x, y, sample_weight):
-        """`train_step` with `micro_batch_size`: a loop over micro-batches.
-
-        Full micro-batches run in a `tf.while_loop` (one traced body, no
-        host round trip); a short last one after it. The logged loss is the
-        batch's: the micro-batches' losses weighted by their normalisers.
-        """
-        data = (x, y, sample_weight)
-        rows = self._micro_batch_size
-        size = tf.shape(_first_tensor(x))[0]
-        full = size // rows
-        zero = tf.zeros((), tf.float64)
-
-        def micro_batch(start, length):
-            part = keras.tree.map_structure(
-                lambda t: None if t is None else tf.gather(
-                    t, start + tf.range(length)
-                ),
-                data,
-            )
-            y_pred, loss, gradients, normalizer, _ = self._forward_backward(
-                *part
-            )
-            if gradients is not None:
-                self.gradient_accumulator.add(
-                    gradients,
-                    self.optimizer,
-                    self.trainable_weights,
-                    normalizer=normalizer,
-                    gradient_scale=_replica_scale(),
-                )
-            self.compute_metrics(part[0], part[1], y_pred, part[2])
-            # A sum (no normaliser) counts with weight 0: it is summed.
-            weight = zero if normalizer is None else tf.cast(normalizer, zero.dtype)
-            loss = tf.cast(loss, zero.dtype)
-            return loss * (1.0 if normalizer is None else weight), weight
-
-        def body(i, loss, weight):
-            micro_loss, micro_weight = micro_batch(i * rows, rows)
-            return i + 1, loss + micro_loss, weight + micro_weight
-
-        _, loss, weight = tf.while_loop(
-            lambda i, *_: i < full,
-            body,
-            (tf.zeros((), tf.int32), zero, zero),
-            parallel_iterations=1,
-        )
-        static_size = _first_tensor(x).shape[0]
-        if static_size is None:
-            rest = size - full * rows
-            last = tf.cond(
-                rest > 0,
-                lambda: micro_batch(full * rows, rest),
-                lambda: (zero, zero),
-            )
-        elif static_size % rows:
-            rest = static_size % rows
-            last = micro_batch(static_size - rest, rest)
-        else:
-            last = (zero, zero)
-        loss, weight = loss + last[0], weight + last[1]
-        loss = loss / tf.where(weight > 0, weight, tf.ones_like(weight))
-        compat.track_loss(self, loss, size)
-        if self.optimizer is not None and self.trainable_weights:
-            with tf.control_dependencies([loss]):
-                self.gradient_accumulator.end_step(
-                    self.optimizer, self.trainable_weights
-                )
-        return self._step_logs(self.get_metrics_result())
 
     def _step_logs(self, logs):
         if self.gradient_accumulator.accumulates and self.optimizer is not None:
@@ -684,6 +587,97 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             "accumulator": self.gradient_accumulator,
             "batch_norm": self._batch_norm_statistics,
         }
+
+
+def _forward_backward(model, x, y, sample_weight):
+    """One micro-batch's predictions, loss, gradients and normaliser."""
+    batch_size = tf.shape(_first_tensor(x))[0]
+    with tf.GradientTape() as tape:
+        # BatchNormalization moving statistics: once per window.
+        with model._batch_norm_statistics.record(model):
+            y_pred = compat.call_for_training(model, x)
+        loss_normalizer.install(model, x, y, y_pred, sample_weight)
+        with loss_normalizer.record_loss_terms() as recording:
+            loss = compat.compute_loss(
+                model, x=x, y=y, y_pred=y_pred,
+                sample_weight=sample_weight, training=True,
+            )
+        scaled = loss
+        if model.optimizer is not None:
+            scaled = model.optimizer.scale_loss(loss)
+    if not model.trainable_weights:
+        warnings.warn("The model does not have any trainable weights.")
+        return y_pred, loss, None, None, batch_size
+    gradients = tape.gradient(scaled, model.trainable_weights)
+    normalizer = recording.normalizer(batch_size)
+    return y_pred, loss, gradients, normalizer, batch_size
+
+
+def _train_in_micro_batches(model, x, y, sample_weight):
+    """`train_step` with `micro_batch_size` (docs/design.md)."""
+    data = (x, y, sample_weight)
+    rows = model._micro_batch_size
+    size = tf.shape(_first_tensor(x))[0]
+    full = size // rows
+    zero = tf.zeros((), tf.float64)
+
+    def micro_batch(start, length):
+        part = keras.tree.map_structure(
+            lambda t: None if t is None else tf.gather(
+                t, start + tf.range(length)
+            ),
+            data,
+        )
+        y_pred, loss, gradients, normalizer, _ = _forward_backward(
+            model, *part
+        )
+        if gradients is not None:
+            model.gradient_accumulator.add(
+                gradients,
+                model.optimizer,
+                model.trainable_weights,
+                normalizer=normalizer,
+                gradient_scale=_replica_scale(),
+            )
+        model.compute_metrics(part[0], part[1], y_pred, part[2])
+        loss = tf.cast(loss, zero.dtype)
+        if normalizer is None:  # a sum: summed (with weight 0)
+            return loss, zero
+        weight = tf.cast(normalizer, zero.dtype)
+        return loss * weight, weight
+
+    def body(i, loss, weight):
+        micro_loss, micro_weight = micro_batch(i * rows, rows)
+        return i + 1, loss + micro_loss, weight + micro_weight
+
+    _, loss, weight = tf.while_loop(
+        lambda i, *_: i < full,
+        body,
+        (tf.zeros((), tf.int32), zero, zero),
+        parallel_iterations=1,
+    )
+    static_size = _first_tensor(x).shape[0]
+    if static_size is None:
+        rest = size - full * rows
+        last = tf.cond(
+            rest > 0,
+            lambda: micro_batch(full * rows, rest),
+            lambda: (zero, zero),
+        )
+    elif static_size % rows:
+        rest = static_size % rows
+        last = micro_batch(static_size - rest, rest)
+    else:
+        last = (zero, zero)
+    loss, weight = loss + last[0], weight + last[1]
+    loss = loss / tf.where(weight > 0, weight, tf.ones_like(weight))
+    compat.track_loss(model, loss, size)
+    if model.optimizer is not None and model.trainable_weights:
+        with tf.control_dependencies([loss]):
+            model.gradient_accumulator.end_step(
+                model.optimizer, model.trainable_weights
+            )
+    return model._step_logs(model.get_metrics_result())
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
