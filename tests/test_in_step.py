@@ -180,38 +180,85 @@ def test_drop_micro_batch_policy(mode, compile_kwargs):
     )
 
 
-def test_pending_window_saved_and_loaded(float64, tmp_path):
+@pytest.mark.parametrize("path", ["keras", "weights_h5", "checkpoint"])
+def test_pending_window_saved_and_loaded(path, float64, tmp_path):
     """Two steps per window, saved by a callback after the first step (3
     micro-batches pending); loaded, the second step completes the window as
     the big batch of both."""
     x, y = classification_data(n=24)
     reference, ours = twins(dense_net, steps=2, micro_batch_size=5)
+    _, fresh = twins(dense_net, steps=2, micro_batch_size=5)
     initial = [np.array(w) for w in reference.get_weights()]
-    for model in (reference, ours):
+    for model in (reference, ours, fresh):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss=scce())
-    path = str(tmp_path / "pending.keras")
+    target = str(tmp_path / "pending")
     pending = []
 
     def save(batch, logs):
         if batch == 0:
             pending.append(int(ours.micro_step))
-            ours.save(path)
+            if path == "keras":
+                ours.save(target + ".keras")
+            elif path == "weights_h5":
+                ours.save_weights(target + ".weights.h5")
+            else:
+                tf.train.Checkpoint(
+                    model=ours, optimizer=ours.optimizer
+                ).write(target)
 
     ours.fit(
         x[:12], y[:12], batch_size=12, verbose=0,
         callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=save)],
     )
     assert pending == [3]
-    loaded = keras.saving.load_model(path)
-    assert loaded.micro_batch_size == 5
-    assert loaded.gradient_accumulation_steps == 2
-    assert int(loaded.micro_step) == 3
+    if path == "keras":
+        loaded = keras.saving.load_model(target + ".keras")
+        assert loaded.micro_batch_size == 5
+        assert loaded.gradient_accumulation_steps == 2
+    elif path == "weights_h5":
+        loaded = fresh
+        loaded.load_weights(target + ".weights.h5")
+    else:
+        loaded = fresh
+        tf.train.Checkpoint(model=loaded, optimizer=loaded.optimizer).read(
+            target
+        ).expect_partial()
+    if path != "checkpoint":  # a checkpoint restores at the first step
+        assert int(loaded.micro_step) == 3
     loaded.fit(x[12:], y[12:], batch_size=12, verbose=0)
     reference.fit(x, y, batch_size=24, verbose=0)
     assert int(loaded.optimizer.iterations) == 1
     assert_close_to_reference(
-        "in-step: pending window through .keras", initial,
+        f"in-step: pending window through {path}", initial,
         reference.get_weights(), loaded.get_weights(), RTOL["float64"],
+    )
+
+
+@pytest.mark.parametrize("source", ["filter", "generator"])
+def test_input_of_unknown_length(source, float64, mode, compile_kwargs):
+    """Batches of 12, 12 and 6 from a filtered dataset or a generator (no
+    length known): micro-batches of 5, one update per batch, as plain
+    Keras on the same batches."""
+    x, y = classification_data(n=30)
+    reference, ours = twins(dense_net, steps=1, micro_batch_size=5)
+    initial = [np.array(w) for w in reference.get_weights()]
+    for model in (reference, ours):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss=scce(),
+            **compile_kwargs,
+        )
+    reference.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+    if source == "filter":
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(12).filter(
+            lambda *_: True
+        )
+    else:
+        data = ((x[i : i + 12], y[i : i + 12]) for i in range(0, 30, 12))
+    ours.fit(data, verbose=0)
+    assert int(ours.optimizer.iterations) == 3
+    assert_close_to_reference(
+        f"in-step: input of unknown length ({source})", initial,
+        reference.get_weights(), ours.get_weights(), RTOL["float64"],
     )
 
 
