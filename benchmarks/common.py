@@ -1,12 +1,12 @@
 """Shared helpers for the benchmark scripts.
 
 Import this module before TensorFlow so that the logging level is set in time.
-It defines the two benchmark networks (a small conv net and a U-Net), the
-synthetic data, the model/optimizer factories for the three configurations
-being compared (plain ``keras.Model``, ``GradientAccumulationModel`` across
-train steps or within one step with ``micro_batch_size``, and the built-in
-``gradient_accumulation_steps`` optimizer option), plus small
-statistics and Markdown-table utilities.
+It defines the benchmark networks (dense networks of any width and depth, a
+small conv net and a U-Net), the synthetic data, the model/optimizer
+factories for the configurations being compared (plain ``keras.Model``,
+``GradientAccumulationModel`` across train steps or within one step with
+``micro_batch_size``, and the built-in ``gradient_accumulation_steps``
+optimizer option), plus small statistics and Markdown-table utilities.
 """
 
 import os
@@ -200,11 +200,15 @@ def unet_graph(input_shape=(64, 64, 3), num_classes=3, base_filters=16, depth=3)
 
 
 def mlp_graph(input_shape=(1024,), num_classes=10, width=1024, depth=4):
-    """Parameter-heavy dense network (~4.2M parameters at the defaults).
+    """Dense network: ``depth`` hidden ReLU layers of ``width`` units.
 
-    Little compute per parameter: the per-step cost of the optimizer update
-    and of the accumulation is a large share of the step, so this network
-    shows their overhead, which the convolutional ones hide.
+    At the defaults, a parameter-heavy net (~4.2M parameters): little
+    compute per parameter, so the per-step cost of the optimizer update and
+    of the accumulation is a large share of the step, and this network shows
+    their overhead, which the convolutional ones hide. With a small width
+    and depth (the ``small_mlp`` network: 32 features, 2 x 64 units, ~7k
+    parameters) a step does almost no arithmetic and its time is the fixed
+    per-step overhead (function call, host round trip, op dispatch).
     """
     L = keras.layers
     inputs = keras.Input(shape=input_shape, name="features")
@@ -217,7 +221,12 @@ def mlp_graph(input_shape=(1024,), num_classes=10, width=1024, depth=4):
 
 def network_graph(spec):
     if spec["arch"] == "mlp":
-        return mlp_graph(tuple(spec["input_shape"]), spec["num_classes"])
+        return mlp_graph(
+            tuple(spec["input_shape"]),
+            spec["num_classes"],
+            spec.get("width", 1024),
+            spec.get("depth", 4),
+        )
     if spec["arch"] == "convnet":
         return conv_net_graph(tuple(spec["input_shape"]), spec["num_classes"])
     if spec["arch"] == "unet":

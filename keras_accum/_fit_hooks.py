@@ -1,9 +1,5 @@
-"""What `GradientAccumulationModel.fit()` adds to Keras' loop.
-
-The train function that ends the window when the input runs out, the
-callbacks that end it before others see an epoch's end, and the line that
-`fit()` prints at its start.
-"""
+"""What `fit()` adds to Keras' loop: the window's end when the input runs
+out and before callbacks see an epoch's end, and the start line."""
 
 import keras
 import tensorflow as tf
@@ -12,11 +8,8 @@ from keras_accum.callbacks import BackupAndRestore
 
 
 def window_train_function(model, train_function):
-    """Keras' train function, with the window's end when the input runs out.
-
-    It also consumes, without training, the batches that a resumed run
-    skips (see `keras_accum.callbacks.BackupAndRestore`).
-    """
+    """Keras' train function, ending the window when the input runs out;
+    it skips the batches a resumed run already trained on."""
 
     def window_train_function(iterator):
         try:
@@ -79,13 +72,8 @@ def _describe_window(model, batch, steps):
 
 
 def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
-    """`callbacks` with the window's end first and last.
-
-    The window ends before any other callback sees an epoch's or the
-    training's end, and after all saw the last batch. Our `BackupAndRestore`
-    restores before other callbacks start and backs up after the window's
-    end.
-    """
+    """`callbacks` with the window's end first and last (our
+    `BackupAndRestore` right after the first)."""
     batch = _batch_size(x, (fit_kwargs or {}).get("batch_size"))
     first, last = [_WindowEnd(batch)], [_LastWindowEnd()]
     if isinstance(callbacks, keras.callbacks.CallbackList):

@@ -78,12 +78,7 @@ unscale_loss_for_distribution = loss_module.unscale_loss_for_distribution
 
 
 def flat_losses(compile_loss):
-    """The mutable list of a built `CompileLoss`'s loss entries.
-
-    Raises:
-        ImportError: if this Keras keeps its losses elsewhere (the exact
-            normalisers could not be recorded).
-    """
+    """The mutable list of a built `CompileLoss`'s loss entries."""
     flat = getattr(compile_loss, "_flat_losses", None)
     if flat is None:
         raise _missing("`CompileLoss` keeps its losses in `_flat_losses`")
@@ -131,14 +126,8 @@ def serialize_as(cls, registered_name):
 
 @contextlib.contextmanager
 def functional_class_for(instance, functional_class):
-    """Builds `instance` as `Functional` without rewriting any class.
-
-    When a model class that is not `Functional` gets functional arguments
-    (a keras-hub task's constructor builds its graph and passes it on),
-    Keras rewrites the bases of the class and of every class above it.
-    Inside this context, `instance` takes the class `functional_class(cls)`
-    instead (a subclass of its class and of `Functional`).
-    """
+    """`instance` built functionally takes `functional_class(cls)`: Keras
+    rewrites no class (docs/design.md, "Every model class")."""
     original = model_module.inject_functional_model_class
 
     def inject(cls):
@@ -230,13 +219,6 @@ class MomentsPatch:
         for variable, own in self._assigns or ():
             _restore(variable, "assign", own)
         self._assigns = None
-
-
-def _restore(obj, name, own):
-    if own is _MISSING:
-        object.__delattr__(obj, name)
-    else:
-        object.__setattr__(obj, name, own)
 
 
 def _restore(obj, name, own):

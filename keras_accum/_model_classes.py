@@ -1,10 +1,5 @@
-"""The classes of converted and functionally built models.
-
-`from_model()` gives a model the class `accumulating_class(type(model))`;
-a subclass of ours built functionally gets `functional_class(cls)`. Neither
-rewrites an existing class (Keras rewrites the bases of a subclass built
-functionally, and of every class above it).
-"""
+"""The classes of converted and functionally built models; no existing
+class is rewritten (docs/design.md, "Every model class")."""
 
 import importlib
 

@@ -5,11 +5,8 @@ import tensorflow as tf
 
 
 def state_variable(initial_value, name, aggregation=None, dtype=None):
-    """A non-trainable variable local to each replica (plain without one).
-
-    `ONLY_FIRST_REPLICA` (the default) makes an eager read outside a replica
-    context local, not a collective.
-    """
+    """A non-trainable variable local to each replica (plain without one);
+    `ONLY_FIRST_REPLICA` makes an eager cross-replica read local."""
     return tf.Variable(
         initial_value,
         dtype=dtype,
@@ -26,11 +23,7 @@ def accumulation_dtype(dtype):
 
 
 def in_replica_context():
-    """Whether this runs in a replica context of a `tf.distribute` strategy.
-
-    Also with one replica (a `MirroredStrategy` on one device): the
-    optimizer calls `merge_call` there too.
-    """
+    """Whether this runs in a `tf.distribute` replica context (any count)."""
     return (
         tf.distribute.has_strategy()
         and tf.distribute.get_replica_context() is not None
@@ -73,12 +66,8 @@ def assign_state(state, values):
 
 
 def run_if(pred, fn):
-    """`fn()` (a boolean tensor) if `pred`, else `False`.
-
-    A `tf.cond`, except under XLA on the CPU: there a loop that runs zero
-    times or once, whose state is updated in place (a conditional copies
-    every variable its branches write). See docs/design.md.
-    """
+    """`fn()` (a boolean tensor) if `pred`, else `False`: a `tf.cond`, or
+    under XLA on CPU a 0/1-trip loop (docs/design.md, "One window end")."""
     if in_xla_context() and not tf.config.list_logical_devices("GPU"):
 
         def body(count, _):

@@ -19,16 +19,8 @@ def save(parts, store):
 
 
 def load(parts, store, replicas):
-    """Restores each part from `store`; returns Keras' own entries.
-
-    Args:
-        parts: dict from part name to an object with `restore(values)`.
-        store: the Keras weights store of the model.
-        replicas: int, the number of replicas to restore into.
-
-    Returns:
-        The store, or a dict of its entries that are not the window's.
-    """
+    """Restores each part (`restore(values)`) from `store`, on `replicas`
+    replicas; returns the store's entries that are Keras' own."""
     own, saved = {}, {}
     for key in store.keys():
         if key.startswith(_PREFIX):
@@ -52,15 +44,8 @@ def load(parts, store, replicas):
 
 
 def _to_replicas(values, replicas):
-    """Saved per-replica window state, made to fit `replicas` replicas.
-
-    The same number of replicas takes the values as saved. Otherwise the
-    window is merged into the first replica: the buffers, normaliser sums
-    and BatchNormalization statistics are combined exactly, as the window's
-    end would combine them, and the other replicas hold nothing (a window
-    with dropped micro-batches cannot be split that way and is discarded,
-    with a warning).
-    """
+    """Saved per-replica state for `replicas` replicas: as saved, or merged
+    exactly into the first (docs/design.md, "The window's state")."""
     accumulator = values.get("accumulator", {})
     saved = len(accumulator.get("micro_step", [None]))
     if saved == replicas:

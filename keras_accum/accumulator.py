@@ -48,11 +48,7 @@ def validate_policy(value):
 
 
 def resolve_policy(policy, loss_scaled):
-    """The non-finite policy in force, `"auto"` resolved.
-
-    Raises:
-        ValueError: for `"propagate"` with loss scaling.
-    """
+    """The non-finite policy in force, `"auto"` resolved; checked."""
     if policy == "auto":
         return "skip_window" if loss_scaled else "propagate"
     if loss_scaled and policy == "propagate":
@@ -421,11 +417,8 @@ class GradientAccumulator(tf.Module):
         )
 
     def reset(self):
-        """Discards the pending window (normaliser sum and counters).
-
-        The buffers are not written: while `added_micro_batches` is 0 they
-        are stale, and the window's first added micro-batch overwrites them.
-        """
+        """Discards the pending window (the stale buffers are overwritten by
+        its next first micro-batch)."""
         if self._normalizer_sum is not None:
             self._normalizer_sum.assign(tf.zeros_like(self._normalizer_sum))
         self.micro_step.assign(0)

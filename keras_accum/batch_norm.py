@@ -1,11 +1,7 @@
-"""Per-window BatchNormalization moving statistics (TensorFlow backend).
+"""BatchNormalization moving statistics that move once per window, from all
+its samples (docs/design.md, "BatchNormalization statistics per window")."""
 
-Inside a `GradientAccumulationModel` the moving mean and variance of every
-trainable `keras.layers.BatchNormalization` move once per window, from the
-exact statistics of all the window's samples, as with one big batch. The
-mechanism and the distributed combination are in docs/design.md.
-"""
-
+import collections
 import contextlib
 import threading
 
@@ -22,20 +18,8 @@ _BatchNormalization = keras_layers.BatchNormalization
 
 
 def window_batch_norm_layers(model):
-    """The `BatchNormalization` layers whose moving statistics are windowed.
-
-    These are the layers of `model`, nested sub-models included, that
-    are instances of `keras.layers.BatchNormalization` (or of a subclass that
-    keeps its `call()`), are trainable (a frozen layer runs in inference mode
-    and updates nothing) and do not use batch renormalization (`renorm=True`
-    layers keep Keras' per-call updates).
-
-    Args:
-        model: a `keras.Model` (or layer).
-
-    Returns:
-        A list of layers, each listed once.
-    """
+    """The trainable `BatchNormalization` layers of `model` (nested too), each
+    once, that keep Keras' `call()` and have no `renorm`."""
     found = []
     seen = set()
     for layer in compat.layers_of(model):
@@ -52,13 +36,8 @@ def window_batch_norm_layers(model):
     return found
 
 
-class _Call:
-    """One call of one layer: its place in a `_CallGroup`'s flat vectors."""
-
-    def __init__(self, layer, index, size):
-        self.layer = layer
-        self.index = index
-        self.size = size
+# One call of one layer: its place in a `_CallGroup`'s flat vectors.
+_Call = collections.namedtuple("_Call", ["layer", "index", "size"])
 
 
 class _CallGroup(tf.Module):
@@ -80,11 +59,8 @@ class _CallGroup(tf.Module):
             self.m2 = state_variable(zeros, name + "_m2")
 
     def flatten(self, recorded):
-        """Flat (count, mean, variance) of one forward pass, or `None`.
-
-        `recorded` maps a `_Call` to its (count, mean, variance); a call
-        not in it contributes a count of 0.
-        """
+        """Flat (count, mean, variance) of `recorded` (`_Call` -> its three),
+        or `None`; a call not in it counts 0."""
         if not any(call in recorded for call in self.calls):
             return None
         counts, means, variances = [], [], []
@@ -139,11 +115,8 @@ class _CallGroup(tf.Module):
 
 
 def _update_moving_statistics(statistics):
-    """`moving = moving * momentum + window * (1 - momentum)` where n > 0.
-
-    `statistics`: (group, count, mean, m2) per group. One update per call,
-    in call order; calls of the same index are updated together.
-    """
+    """`moving = moving * momentum + window * (1 - momentum)` where n > 0,
+    for (group, count, mean, m2) per group, call index by call index."""
     # (has samples, mean, variance), flat per channel, for each group.
     flat = [
         (group, count > 0, mean, tf.math.divide_no_nan(m2, count))
@@ -216,13 +189,8 @@ def _concat(parts):
 
 
 def _count(layer, inputs, mask):
-    """Number of values per channel that the layer's moments reduced over.
-
-    Always this replica's own count, also for `synchronized=True` layers,
-    whose mean and variance are those of the global micro-batch: summed over
-    the replicas, the local counts weight each micro-batch by its global
-    count, so nothing is counted twice and no reduction is needed here.
-    """
+    """Values per channel the moments reduced over, on this replica (also
+    for `synchronized=True`: docs/design.md)."""
     if mask is not None:
         return tf.reduce_sum(tf.cast(mask, tf.int64))
     rank = inputs.shape.rank
@@ -240,18 +208,10 @@ class WindowBatchNormStatistics(tf.Module):
     """Updates BatchNormalization moving statistics once per window.
 
     Every trainable `keras.layers.BatchNormalization` of the model (nested
-    models included, `synchronized=True` too) updates its moving mean and
-    variance once per applied window, from the count, mean and variance of
-    all the window's samples (and replicas), combined exactly:
-
-        moving = moving * momentum + window_statistic * (1 - momentum)
-
-    Training-time normalisation stays per micro-batch, as Keras does it. A
-    skipped window leaves the moving statistics unchanged. Not covered (the
-    per-call update of Keras is kept): `renorm=True`, subclasses that
-    override `call()`, calls inside the model's own `tf.cond` or loop, and
-    `gradient_accumulation_steps=1`. The window's statistics are saved with
-    the pending window (`state()`, `restore()`).
+    and `synchronized=True` ones too) moves its moving mean and variance once
+    per applied window, from the exact statistics of all the window's
+    samples and replicas; a skipped window leaves them unchanged. See the
+    README for what is not covered and docs/design.md for the mechanism.
 
     Args:
         enabled: bool, whether to window the moving statistics. If `False`
@@ -437,11 +397,8 @@ class WindowBatchNormStatistics(tf.Module):
         )
 
     def _ensure_calls(self, keys):
-        """Creates one group for the (layer, call index) pairs not yet held.
-
-        Under `MirroredStrategy` the replicas trace in threads of their own;
-        the first one creates the group, the others find it.
-        """
+        """Creates one group for the (layer, call index) pairs not yet held
+        (the first replica thread to trace creates it)."""
         with self._lock:
             missing = []
             for layer, index in keys:
@@ -485,13 +442,8 @@ class WindowBatchNormStatistics(tf.Module):
                     del self._patches[id(layer)]
 
     def _recording_moments(self, layer):
-        """The layer's moments, recording each call's (count, mean, variance).
-
-        Calls in another thread's or no recording, and calls traced in
-        another graph (Keras building a layer with a symbolic scratch call,
-        or a call inside a `tf.cond` branch) are not recorded: their Keras
-        updates are kept.
-        """
+        """The layer's moments, recording (count, mean, variance) of calls in
+        this thread's recording and graph (others keep Keras' updates)."""
         original = compat.moments(layer)
 
         def _moments(inputs, mask):

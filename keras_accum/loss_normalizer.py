@@ -1,20 +1,10 @@
-"""Recording the normaliser of each compiled loss term (TensorFlow backend).
+"""The normaliser `D` of each compiled loss term, recorded beside the loss.
 
-Keras reduces a loss to a mean: ``sum(weighted per-element losses) / D``.
-For the default reduction ``D`` is the number of elements, or, with a mask
-(``ignore_class``, a Keras mask on ``y_pred``), the number of valid elements;
-for ``reduction="mean_with_sample_weight"`` it is the sum of the sample
-weights. One big batch divides the sum over *all* its samples by the sum of
-the micro-batches' ``D``. To reproduce that exactly, each micro-batch's
-gradient is weighted by its own ``D`` and the window's sum is divided by the
-window's total ``D`` (see `GradientAccumulator`).
-
-This module computes ``D`` alongside the loss value, with the same Keras
-functions Keras itself uses, by wrapping the loss objects held by the
-model's ``CompileLoss``. The loss value is computed by exactly the same ops as
-in Keras, so what the model logs and differentiates is unchanged.
+Wraps the loss objects of the model's `CompileLoss`; see docs/design.md,
+"Exact normalisation".
 """
 
+import collections
 import contextlib
 import functools
 import threading
@@ -34,19 +24,9 @@ _state = threading.local()
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
-class LossTerm:
-    """The normaliser of one loss term of one micro-batch.
-
-    Attributes:
-        normalizer: scalar tensor, the `D` the term's sum was divided by, or
-            `None` when the term is a plain sum (`reduction="sum"`).
-        data_dependent: bool, whether `D` depends on the data (a mask or
-            sample weights) rather than only on the number of samples.
-    """
-
-    def __init__(self, normalizer, data_dependent):
-        self.normalizer = normalizer
-        self.data_dependent = data_dependent
+# `normalizer`: the `D` the term's sum was divided by (`None` for a sum);
+# `data_dependent`: whether `D` depends on a mask or sample weights.
+LossTerm = collections.namedtuple("LossTerm", ["normalizer", "data_dependent"])
 
 
 class _LossRecording:
@@ -55,11 +35,7 @@ class _LossRecording:
         self.unknown_terms = 0
 
     def normalizer(self, batch_size):
-        """The micro-batch's normaliser `D` (`None` for a sum).
-
-        With several terms whose normalisers differ, `batch_size`, with a
-        warning (exact only if every term is a per-sample mean).
-        """
+        """`D` (`None` for a sum); for mixed terms `batch_size`, warned."""
         terms = self.terms
         if len(terms) == 1 and self.unknown_terms == 0:
             return terms[0].normalizer
@@ -112,10 +88,7 @@ def _normalizer(values, sample_weight, mask, reduction):
 
 
 class RecordingLoss:
-    """Wraps a `keras.losses.Loss` so that its normaliser is recorded.
-
-    Outside `record_loss_terms()` it behaves exactly like the wrapped loss.
-    """
+    """A `keras.losses.Loss` recording its normaliser in `record_loss_terms`."""
 
     def __init__(self, loss):
         self.loss = loss
@@ -147,12 +120,9 @@ class RecordingLoss:
             )
             values = loss.call(y_true, y_pred)
             out_mask = compat.get_keras_mask(values)
+            mask = in_mask if out_mask is None else out_mask
             if in_mask is not None and out_mask is not None:
                 mask = in_mask & out_mask
-            elif in_mask is not None:
-                mask = in_mask
-            else:
-                mask = out_mask
             value = keras_loss_module.reduce_weighted_values(
                 values,
                 sample_weight=sample_weight,
@@ -178,12 +148,7 @@ class RecordingLoss:
 
 
 def install(model, x, y, y_pred, sample_weight):
-    """Wraps the model's compiled losses so that their normalisers are seen.
-
-    Without a distribution strategy Keras builds `CompileLoss` on its first
-    call; it is built here first, symbolically (no side effects), as Keras'
-    own `_symbolic_build` does. Idempotent.
-    """
+    """Wraps the model's compiled losses (built symbolically if need be)."""
     compile_loss = compat.compile_loss(model)
     if compile_loss is None:
         return
