@@ -1,5 +1,6 @@
 """`GradientAccumulationModel`: a `keras.Model` that trains with accumulation."""
 
+import functools
 import warnings
 
 import keras
@@ -117,24 +118,17 @@ _CONVOLUTIONS = tuple(
 )
 
 
-def _warn_in_step_xla_on_cpu(model):
-    """XLA on CPU runs convolution gradients inside a loop slowly."""
-    if (
-        model.micro_batch_size is None
-        or model.jit_compile is not True
-        or tf.config.list_logical_devices("GPU")
-        or tf.config.list_logical_devices("TPU")
-    ):
-        return
-    if any(isinstance(l, _CONVOLUTIONS) for l in compat.layers_of(model)):
-        warnings.warn(
-            "`micro_batch_size` with `jit_compile=True` on CPU: XLA's CPU "
-            "backend runs convolution gradients inside the train step's "
-            "loop with slow kernels (a U-Net trained at 0.1x the speed of "
-            "plain `keras.Model`). Use `jit_compile=False` (Keras' default "
-            "on CPU) or `micro_batch_size=None`.",
-            stacklevel=3,
-        )
+def _loop_outside_xla(model):
+    """Whether the micro-batch loop runs outside XLA, each micro-batch inside:
+    XLA's CPU backend compiles convolution gradients inside a loop into slow
+    kernels (docs/design.md, "Micro-batches inside the train step")."""
+    return (
+        model.micro_batch_size is not None
+        and model.jit_compile is True
+        and not tf.config.list_logical_devices("GPU")
+        and not tf.config.list_logical_devices("TPU")
+        and any(isinstance(l, _CONVOLUTIONS) for l in compat.layers_of(model))
+    )
 
 
 def _check_backend():
@@ -174,11 +168,8 @@ def _convert(model, gradient_accumulation_steps, kwargs):
 
 
 def _checked_compile_arguments(model, args, kwargs):
-    """`compile()`'s arguments, an optimizer given resolved and checked.
-
-    Checked before Keras installs anything: a `compile()` that raises leaves
-    the model as it was. (`"auto"`: a keras-hub task's default.)
-    """
+    """`compile()`'s arguments, a given optimizer resolved and checked before
+    Keras installs anything (`"auto"`: a keras-hub task's default)."""
     optimizer = args[0] if args else kwargs.get("optimizer")
     if optimizer is None or (isinstance(optimizer, str) and optimizer == "auto"):
         return args, kwargs
@@ -247,6 +238,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             rows (per replica) and accumulates them inside the step, in a
             `tf.while_loop`; a window is then `gradient_accumulation_steps`
             train steps. Metrics and the logged loss are the whole batch's.
+            (With `jit_compile=True` on a CPU, a model with convolutions
+            has XLA compile each micro-batch instead of the whole step.)
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -458,9 +451,16 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         _check_in_step_sync(self)
-        _warn_in_step_xla_on_cpu(self)
         self._build_window_state()
-        super().make_train_function(force=force)
+        self._micro_batches_in_xla = _loop_outside_xla(self)
+        if self._micro_batches_in_xla:
+            # Keras compiles the whole step with XLA: here only the body.
+            self.jit_compile = False
+        try:
+            super().make_train_function(force=force)
+        finally:
+            if self._micro_batches_in_xla:
+                self.jit_compile = True
         self.train_function = window_train_function(self, self.train_function)
         self._flush_function = None
         return self.train_function
@@ -557,21 +557,12 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return super().from_config(config, custom_objects=custom_objects)
 
     def save_own_variables(self, store):
-        """Saves the model's own variables and its pending window.
-
-        The window (see `keras_accum.GradientAccumulator.state`, one value
-        per replica) goes under keys of its own beside Keras' numbered ones.
-        """
+        """Saves the model's own variables and its pending window."""
         super().save_own_variables(store)
         window_state.save(self._window_parts(), store)
 
     def load_own_variables(self, store):
-        """Loads what `save_own_variables` saved.
-
-        A file without a window (from keras_accum 0.1, or from a plain
-        `keras.Model`) loads with an empty one. The optimizer is built first
-        if need be, so that its saved state loads too.
-        """
+        """Loads what `save_own_variables` saved (no window: an empty one)."""
         if self.built:
             self._build_window_state()
         own = window_state.load(
@@ -646,8 +637,17 @@ def _train_in_micro_batches(model, x, y, sample_weight):
         weight = tf.cast(normalizer, zero.dtype)
         return loss * weight, weight
 
+    def compiled(length):
+        """`micro_batch` of `length` rows; XLA-compiled on its own if asked."""
+        run = functools.partial(micro_batch, length=length)
+        if getattr(model, "_micro_batches_in_xla", False):
+            run = tf.function(run, jit_compile=True, autograph=False)
+        return run
+
+    full_micro_batch = compiled(rows)
+
     def body(i, loss, weight):
-        micro_loss, micro_weight = micro_batch(i * rows, rows)
+        micro_loss, micro_weight = full_micro_batch(i * rows)
         return i + 1, loss + micro_loss, weight + micro_weight
 
     _, loss, weight = tf.while_loop(
@@ -666,7 +666,7 @@ def _train_in_micro_batches(model, x, y, sample_weight):
         )
     elif static_size % rows:
         rest = static_size % rows
-        last = micro_batch(static_size - rest, rest)
+        last = compiled(rest)(static_size - rest)
     else:
         last = (zero, zero)
     loss, weight = loss + last[0], weight + last[1]
