@@ -361,7 +361,7 @@ def _xla_compiled_calls(model, batch):
     )
 
 
-def test_xla_on_cpu_compiles_each_micro_batch(float64):
+def test_jit_on_cpu_compiles_each_micro_batch(float64):
     """With `jit_compile=True` and no accelerator, a model with convolutions
     runs its micro-batch loop outside XLA and each micro-batch inside it
     (XLA's CPU backend compiles convolution gradients inside a loop ~8x
