@@ -122,6 +122,13 @@ def run_child(args):
         "device": "GPU" if on_gpu else "CPU", "jit_compile": args.jit,
         "metrics": {},
     }
+    if args.warmup_steps:
+        # Trace (and compile) the train step before the baseline: the peak
+        # then holds steady-state training only.
+        model.fit(dataset, steps_per_epoch=args.warmup_steps, epochs=1,
+                  verbose=0, shuffle=False)
+        gc.collect()
+        record["warmup_steps"] = args.warmup_steps
     tf_device = "GPU:0" if on_gpu else "CPU:0"
     try:  # GPU always; CPU only with TF_CPU_ALLOCATOR_USE_BFC=true
         tensors_baseline = tf.config.experimental.get_memory_info(tf_device)["current"]
@@ -175,7 +182,7 @@ def child_command(args, kind, n):
         "--batch", str(args.batch), "--size", str(args.size),
         "--base-filters", str(args.base_filters), "--depth", str(args.depth),
         "--steps", str(args.steps), "--large-steps", str(args.large_steps),
-        "--seed", str(args.seed),
+        "--seed", str(args.seed), "--warmup-steps", str(args.warmup_steps),
     ]
     if args.intra:
         cmd += ["--intra", str(args.intra)]
@@ -258,6 +265,9 @@ def main(argv=None):
     parser.add_argument("--intra", type=int, default=None)
     parser.add_argument("--inter", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="train steps before the baseline (default 0: "
+                        "the peak includes tracing the train step)")
     parser.add_argument("--in-step-ns", default="2,8,32",
                         help="N for GradientAccumulationModel(micro_batch_size=B) "
                              "fed N*B rows per step (default 2,8,32; '' for none)")
