@@ -369,15 +369,32 @@ def test_jit_on_cpu_compiles_each_micro_batch(float64):
     XLA. Exact either way, against plain Keras on the big batch."""
     if tf.config.list_logical_devices("GPU"):
         pytest.skip("the split is for machines without an accelerator")
-    cases = (
-        (helpers.segmentation_net, *helpers.segmentation_data(n=24), True),
-        (dense_net, *classification_data(n=24), False),
+    seg_x, seg_y = helpers.segmentation_data(n=24)
+
+    def filtered(x, y):
+        # Unknown length and batch size: the short last micro-batch (12 =
+        # 5 + 5 + 2) runs after the loop in a `tf.cond`, outside XLA.
+        return tf.data.Dataset.from_tensor_slices((x, y)).filter(
+            lambda *_: True
+        ).batch(12)
+
+    def static(x, y):
+        # A static batch size: the short last micro-batch is compiled too.
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+            12, drop_remainder=True
+        )
+
+    cases = (  # (net, x, y, micro-batch rows, dataset, split)
+        (helpers.segmentation_net, seg_x, seg_y, 4, None, True),
+        (helpers.segmentation_net, seg_x, seg_y, 5, filtered, True),
+        (helpers.segmentation_net, seg_x, seg_y, 5, static, True),
+        (dense_net, *classification_data(n=24), 4, None, False),
     )
     loss = keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, ignore_class=255
     )
-    for build, x, y, split in cases:
-        reference, ours = twins(build, steps=1, micro_batch_size=4)
+    for build, x, y, rows, dataset, split in cases:
+        reference, ours = twins(build, steps=1, micro_batch_size=rows)
         initial = [np.array(w) for w in reference.get_weights()]
         for model in (reference, ours):
             model.compile(
@@ -385,13 +402,17 @@ def test_jit_on_cpu_compiles_each_micro_batch(float64):
                 loss=loss,
                 jit_compile=True,
             )
-            model.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+            if dataset is None:
+                model.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+            else:
+                model.fit(dataset(x, y), verbose=0)
         assert ours.jit_compile is True
         # Conv net: the full micro-batches' body, called in the step's loop.
         calls = _xla_compiled_calls(ours, (x[:12], y[:12]))
         assert calls == (1 if split else 0), build.__name__
         assert_close_to_reference(
-            f"in-step, XLA on CPU, {build.__name__}",
+            f"in-step, XLA on CPU, {build.__name__}, B={rows}, "
+            f"{dataset.__name__ if dataset else 'arrays'}",
             initial, reference.get_weights(), ours.get_weights(),
             masked_mean_rtol(RTOL["float64"]),
         )
