@@ -4,6 +4,7 @@ out and before callbacks see an epoch's end, and the start line."""
 import keras
 import tensorflow as tf
 
+from keras_accum._auto_micro_batch import out_of_memory_hint
 from keras_accum.callbacks import BackupAndRestore
 
 
@@ -20,6 +21,10 @@ def window_train_function(model, train_function):
                 model._batches_to_skip -= count
                 return model.get_metrics_result()
             return train_function(iterator)
+        except tf.errors.ResourceExhaustedError as error:
+            if model._auto_micro_batch is not None:
+                raise
+            raise out_of_memory_hint(model, error) from error
         except (StopIteration, tf.errors.OutOfRangeError):
             # An epoch of unknown length ended: the window ends before
             # validation and the epoch's callbacks.
@@ -50,6 +55,11 @@ def _describe_window(model, batch, steps):
     unit = "micro-batches" if rows is None else "steps"
     if rows is None:
         line = f"Gradient accumulation: {n} micro-batches"
+    elif rows == "auto":
+        line = (
+            "Gradient accumulation: micro-batches as large as the device "
+            f"holds ('auto') inside each step, {n} step{'s' if n > 1 else ''}"
+        )
     else:
         line = (
             f"Gradient accumulation: micro-batches of at most {rows} samples"
@@ -99,6 +109,9 @@ class _WindowEnd(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         params = self.params or {}
+        auto = self.model._auto_micro_batch
+        if auto is not None:
+            auto.verbose = params.get("verbose", 0)
         if params.get("verbose", 0) != 0 and self.model.gradient_accumulator.accumulates:
             print(_describe_window(self.model, self.batch, params.get("steps")))
 

@@ -101,3 +101,10 @@ def current_graph():
     if tf.executing_eagerly():
         return None
     return tf.compat.v1.get_default_graph()
+
+
+def components(variable):
+    """The `tf.Variable`s behind a (distributed) variable."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return list(variable.values)
+    return [variable]

@@ -11,6 +11,7 @@ from keras_accum._tf_utils import assign_per_replica
 from keras_accum._tf_utils import assign_state
 from keras_accum._tf_utils import in_replica_context
 from keras_accum._tf_utils import in_xla_context
+from keras_accum._tf_utils import per_replica_values
 from keras_accum._tf_utils import run_if
 from keras_accum._tf_utils import state_variable
 
@@ -133,6 +134,9 @@ class GradientAccumulator(tf.Module):
         self._buffers = []
         self._normalizer_sum = None
         self._normalizer_dtype = tf.float32
+        # Which variables get gradients: known when tracing, and saved, so
+        # that a restored window can be applied before any trace.
+        self._has_gradient = None
         # Not tracked: saved values waiting for their variables (`restore`)
         # and the window-end listeners.
         object.__setattr__(self, "_pending_state", {})
@@ -258,6 +262,12 @@ class GradientAccumulator(tf.Module):
                 self._buffers = []
             if self._accumulates:
                 self._buffers.extend(map(_buffer, variables, dtypes))
+            if self._has_gradient is None or (
+                self._has_gradient.shape[0] != len(variables)
+            ):
+                self._has_gradient = state_variable(
+                    tf.ones([len(variables)], tf.bool), "has_gradient"
+                )
         self._variable_ids = ids
         self._gradient_is_none = None
         # Keras' float8 scales and amax histories: their "gradient" is
@@ -288,6 +298,8 @@ class GradientAccumulator(tf.Module):
         }
         if self._normalizer_sum is not None:
             state["normalizer_sum"] = self._normalizer_sum
+        if self._has_gradient is not None:
+            state["has_gradient"] = self._has_gradient
         for i, buffer in enumerate(self._buffers):
             state[f"buffer_{i}"] = buffer
         return state
@@ -429,6 +441,24 @@ class GradientAccumulator(tf.Module):
         for listener in self._listeners:
             listener.reset()
 
+    def _record_gradients(self, gradients):
+        """Notes (and saves) which variables the traced step gives gradients."""
+        self._gradient_is_none = [g is None for g in gradients]
+        with tf.init_scope():
+            mask = [not none for none in self._gradient_is_none]
+            assign_per_replica(
+                self._has_gradient, [mask] * _replicas(self._has_gradient)
+            )
+
+    def _gradients_are_none(self):
+        """Which gradients are `None`: as traced, or as saved with a window
+        restored before any trace."""
+        if self._gradient_is_none is None:
+            with tf.init_scope():
+                mask = per_replica_values(self._has_gradient)[0]
+            self._gradient_is_none = [not bool(m) for m in mask]
+        return self._gradient_is_none
+
     def _resolve_policy(self, optimizer):
         return resolve_policy(
             self.non_finite_policy, is_loss_scale_optimizer(optimizer)
@@ -517,7 +547,7 @@ def _checked(accumulator, gradients, optimizer, variables):
     if not optimizer.built:
         # Loss scaling state is read before the first update.
         optimizer.build(variables)
-    accumulator._gradient_is_none = [g is None for g in gradients]
+    accumulator._record_gradients(gradients)
     return gradients, accumulator._resolve_policy(optimizer)
 
 
@@ -602,7 +632,7 @@ def _window_gradients(accumulator, normalizer, several):
     return [
         None if is_none else b if overwrite else b / tf.cast(divisor, b.dtype)
         for b, is_none, overwrite in zip(
-            buffers, accumulator._gradient_is_none, accumulator._overwrite
+            buffers, accumulator._gradients_are_none(), accumulator._overwrite
         )
     ]
 

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_compat as compat
+from keras_accum._auto_micro_batch import AutoMicroBatch
 from keras_accum import _model_classes as classes
 from keras_accum import loss_normalizer
 from keras_accum import _window_state as window_state
@@ -40,8 +41,7 @@ def _window_parts(
             "`flush_at_epoch_end` must be a bool. Received: "
             f"flush_at_epoch_end={flush_at_epoch_end!r}"
         )
-    if micro_batch_size is not None:
-        micro_batch_size = validate_steps(micro_batch_size, "micro_batch_size")
+    micro_batch_size = _validate_micro_batch_size(micro_batch_size)
     batch_norm_statistics = WindowBatchNormStatistics(window_batch_norm)
     accumulator = GradientAccumulator(
         gradient_accumulation_steps, non_finite_policy=non_finite_policy
@@ -54,6 +54,18 @@ def _window_parts(
         batch_norm_statistics,
         micro_batch_size,
     )
+
+
+def _validate_micro_batch_size(value):
+    """`None`, `"auto"`, or an int >= 1; raises otherwise."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, str):
+        raise ValueError(
+            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+            f"Received: micro_batch_size={value!r}"
+        )
+    return validate_steps(value, "micro_batch_size")
 
 
 def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling):
@@ -129,6 +141,20 @@ def _loop_outside_xla(model):
         and not tf.config.list_logical_devices("TPU")
         and any(isinstance(l, _CONVOLUTIONS) for l in compat.layers_of(model))
     )
+
+
+def _compile_of_own_class(cls):
+    """The first class of `cls`'s MRO, past ours, that defines `compile()`
+    or `compile_from_config()` other than Keras' own; `None` if none."""
+    for klass in cls.__mro__:
+        if klass in (GradientAccumulationModel, compat.TrainerHooks):
+            continue
+        for name in ("compile_from_config", "compile"):
+            method = vars(klass).get(name)
+            if method is not None:
+                if method is not getattr(keras.Model, name):
+                    return klass
+    return None
 
 
 def _check_backend():
@@ -233,11 +259,16 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         window_batch_norm: bool. If `True` (default) BatchNormalization
             moving statistics move once per window, from all its samples;
             if `False`, every micro-batch, as in Keras.
-        micro_batch_size: int >= 1 or `None` (default). If set, each train
-            step splits its batch into micro-batches of at most this many
-            rows (per replica) and accumulates them inside the step, in a
-            `tf.while_loop`; a window is then `gradient_accumulation_steps`
-            train steps. Metrics and the logged loss are the whole batch's.
+        micro_batch_size: int >= 1, `"auto"` or `None` (default). If set,
+            each train step splits its batch into micro-batches of at most
+            this many rows (per replica) and accumulates them inside the
+            step, in a `tf.while_loop`; a window is then
+            `gradient_accumulation_steps` train steps. Metrics and the
+            logged loss are the whole batch's. `"auto"`: the largest
+            micro-batch that fits in the device's memory, found on the
+            first batch of each input shape; a step that runs out of
+            memory is rolled back and trained again with half the
+            micro-batch (see the README, "Training in small memory").
             (With `jit_compile=True` on a CPU, a model with convolutions
             has XLA compile each micro-batch instead of the whole step.)
         *args, **kwargs: passed to `keras.Model`.
@@ -317,6 +348,10 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         micro_batch_size,
     ):
         self.flush_at_epoch_end = flush_at_epoch_end
+        self._auto_micro_batch = None
+        if micro_batch_size == "auto":
+            self._auto_micro_batch = AutoMicroBatch(self)
+            micro_batch_size = None  # set per input shape, when tracing
         self._micro_batch_size = micro_batch_size
         self.gradient_accumulator = accumulator
         self._batch_norm_statistics = batch_norm_statistics
@@ -343,19 +378,28 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     @property
     def micro_batch_size(self):
-        """int or `None`: rows per micro-batch inside each train step.
+        """int, `"auto"` or `None`: rows per micro-batch inside each step.
 
-        `None`: every train step is one micro-batch. Settable between
-        `fit()` calls (the train step is traced again).
+        `None`: every train step is one micro-batch. With `"auto"`, the
+        size chosen for the last batch once one was trained. Settable
+        between `fit()` calls (the train step is traced again).
         """
+        if self._auto_micro_batch is not None:
+            return self._auto_micro_batch.size or "auto"
         return self._micro_batch_size
 
     @micro_batch_size.setter
     def micro_batch_size(self, value):
+        value = _validate_micro_batch_size(value)
         if value is not None:
-            value = validate_steps(value, "micro_batch_size")
             self.gradient_accumulator.accumulates = True
-        if value != self._micro_batch_size:
+        auto = self._auto_micro_batch is not None
+        if value == "auto" and not auto:
+            self._auto_micro_batch = AutoMicroBatch(self)
+            self._micro_batch_size = None
+            self._retrace()
+        elif value != "auto" and (auto or value != self._micro_batch_size):
+            self._auto_micro_batch = None
             self._micro_batch_size = value
             self._retrace()
 
@@ -440,10 +484,26 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self._flush_function = None
 
     def compile_from_config(self, config):
-        # Keras skips `compile_from_config` for models that override
-        # `compile()`; ours only adds checks, so restore it on load.
+        # Keras skips `compile_from_config` for a class that overrides
+        # `compile()`; ours only adds checks, so the model is compiled on
+        # load, unless its own class's `compile()` does not take the saved
+        # arguments (as Keras would not call it: docs/design.md).
+        own = _compile_of_own_class(type(self))
+        if own is not None and "compile_from_config" in vars(own):
+            return own.compile_from_config(self, config)
         config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
+        try:
+            self.compile(**config)
+        except TypeError as error:
+            if own is None or "compile" not in vars(own):
+                raise
+            warnings.warn(
+                "`compile()` was not called as part of model loading: the "
+                f"`compile()` of {own.__name__} does not take the saved "
+                f"arguments ({error}). Call `compile()` after loading.",
+                stacklevel=2,
+            )
+            return
         if self.optimizer is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
@@ -452,18 +512,30 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             return self.train_function
         _check_in_step_sync(self)
         self._build_window_state()
+        auto = self._auto_micro_batch
+        if auto is not None:
+            auto.reset()
+            function = auto.train_function(self._keras_train_function)
+        else:
+            function = self._keras_train_function()
+        self.train_function = window_train_function(self, function)
+        self._flush_function = None
+        return self.train_function
+
+    def _keras_train_function(self):
+        """Keras' train function of this model, traced when first called."""
+        current = self.train_function
         self._micro_batches_in_xla = _loop_outside_xla(self)
         if self._micro_batches_in_xla:
             # Keras compiles the whole step with XLA: here only the body.
             self.jit_compile = False
         try:
-            super().make_train_function(force=force)
+            super().make_train_function(force=True)
         finally:
             if self._micro_batches_in_xla:
                 self.jit_compile = True
-        self.train_function = window_train_function(self, self.train_function)
-        self._flush_function = None
-        return self.train_function
+        function, self.train_function = self.train_function, current
+        return function
 
     def _build_window_state(self):
         """Creates the window's variables (and the optimizer's) if needed."""
@@ -531,6 +603,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def get_config(self):
         config = super().get_config()
         config.update({key: getattr(self, key) for key in _CONFIG_KEYS})
+        if self._auto_micro_batch is not None:
+            config["micro_batch_size"] = "auto"
         base = getattr(type(self), "_converted_from", None)
         if base is not None:
             config["converted_from"] = classes.class_spec(base)
@@ -572,6 +646,24 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         )
         super().load_own_variables(own)
         self._flush_function = None
+        self._take_saved_steps()
+
+    def _take_saved_steps(self):
+        """Loading restores the N the window was saved with (the model's own
+        rule: the file's training state wins), with a warning if it differs."""
+        accumulator = self.gradient_accumulator
+        saved = int(accumulator.next_window_steps.numpy())
+        built = accumulator.gradient_accumulation_steps
+        if saved != built:
+            warnings.warn(
+                "The loaded window state was saved with "
+                f"`gradient_accumulation_steps={saved}`, and this model was "
+                f"built with {built}: training goes on with {saved}, as "
+                "saved. Set `model.gradient_accumulation_steps` after loading "
+                "to change it.",
+                stacklevel=3,
+            )
+            self.gradient_accumulation_steps = saved
 
     def _window_parts(self):
         return {

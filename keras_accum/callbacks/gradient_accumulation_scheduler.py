@@ -4,6 +4,8 @@ import numbers
 
 import keras
 
+from keras_accum.accumulator import MAX_STEPS
+
 
 class GradientAccumulationScheduler(keras.callbacks.Callback):
     """Sets `gradient_accumulation_steps` at the start of given epochs.
@@ -47,10 +49,10 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
                     "The keys of `schedule` must be integer epochs >= 0. "
                     f"Received: schedule={schedule!r}"
                 )
-            if not _is_int(steps) or steps < 1:
+            if not _is_int(steps) or not 1 <= steps <= MAX_STEPS:
                 raise ValueError(
-                    "The values of `schedule` must be integers >= 1 "
-                    f"(`gradient_accumulation_steps`). Received: "
+                    "The values of `schedule` must be integers from 1 to "
+                    "2**63 - 1 (`gradient_accumulation_steps`). Received: "
                     f"schedule={schedule!r}"
                 )
         self.schedule = {int(k): int(v) for k, v in sorted(schedule.items())}
