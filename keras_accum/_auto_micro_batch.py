@@ -157,11 +157,13 @@ class AutoMicroBatch:
     """Chooses the micro-batch of `micro_batch_size="auto"` and recovers a
     train step that runs out of memory.
 
-    The first batch of each input signature is trained whole; a step that
-    raises `ResourceExhaustedError` is rolled back, its micro-batch halved
-    (one trace per size) and the same batch trained again. The size that
-    succeeded is kept for that signature. A new signature starts from the
-    last size, scaled by the ratio of elements per row.
+    Per input signature (the shapes of a row): the first signature's first
+    batch is tried whole; a new one starts from the last size scaled by the
+    elements per row. A step that raises `ResourceExhaustedError` is rolled
+    back, its micro-batch halved and the same batch trained again. After a
+    success below the whole batch and below any size that failed, the next
+    batch of that signature tries twice the size: the search ends at the
+    largest size of the doubling that fits (one trace per size).
     """
 
     def __init__(self, model):
@@ -170,7 +172,7 @@ class AutoMicroBatch:
         self.rollback = StepRollback(model)
         self.verbose = 0
         self.size = None
-        self._sizes = {}
+        self._sizes = {}  # signature -> [size to try, smallest that failed]
         self._functions = {}
         self._checked = False
 
@@ -208,17 +210,17 @@ class AutoMicroBatch:
     def _first_size(self, signature, rows):
         if not self._sizes:
             return rows
-        known, size = next(reversed(self._sizes.items()))
+        known, (size, _) = next(reversed(self._sizes.items()))
         scaled = size * _row_elements(known) / _row_elements(signature)
         return max(1, min(rows, 2 ** int(math.log2(max(scaled, 1)))))
 
     def _train(self, data, make_function):
         signature = _signature(data)
         rows = int(_tensors(data)[0].shape[0])
-        size = self._sizes.get(signature)
-        measured = size is not None
-        if not measured:
-            size = self._first_size(signature, rows)
+        if signature not in self._sizes:
+            self._sizes[signature] = [self._first_size(signature, rows), None]
+        state = self._sizes[signature]
+        size = min(state[0], rows)
         while True:
             saved = self.rollback.take()
             self.memory.reset_peak()
@@ -227,12 +229,16 @@ class AutoMicroBatch:
                 break
             except tf.errors.ResourceExhaustedError as error:
                 self.rollback.restore(saved)
+                state[1] = size if state[1] is None else min(state[1], size)
                 size = self._halved(size, rows, data, error)
-                measured = False
         self.size = size
-        if not measured:
-            self._sizes[signature] = size
-            self._say_chosen(size, rows, signature)
+        bigger = min(rows, 2 * size)
+        if bigger > size and (state[1] is None or bigger < state[1]):
+            state[0] = bigger  # the next batch of this shape tries it
+        elif state[0] != size or state[1] is not None or size == rows:
+            if state[0] != size or not getattr(self, "_said", {}).get(signature):
+                self._say_chosen(size, rows, signature)
+            state[0] = size
         return logs
 
     def _halved(self, size, rows, data, error):
@@ -261,6 +267,10 @@ class AutoMicroBatch:
         return halved
 
     def _say_chosen(self, size, rows, signature):
+        said = self.__dict__.setdefault("_said", {})
+        if said.get(signature) == size:
+            return
+        said[signature] = size
         if not self.verbose:
             return
         replicas = self.model.distribute_strategy.num_replicas_in_sync

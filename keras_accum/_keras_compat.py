@@ -45,6 +45,7 @@ try:
     from keras.src.models.functional import Functional  # noqa: F401
     from keras.src.models import model as model_module
     from keras.src.models.model import functional_init_arguments  # noqa: F401
+    from keras.src.random import seed_generator as _seed_generator  # noqa: F401
     from keras.src.saving import object_registration
     from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: F401
         unpack_x_y_sample_weight,
@@ -93,6 +94,19 @@ def layers_of(model):
 def reduction_axes(layer):
     """The axes a `BatchNormalization` layer's moments reduce over."""
     return layer._reduction_axes
+
+
+def global_seed_generator(create=False):
+    """Keras' global `SeedGenerator` (of `keras.random` calls without a
+    seed), or `None` if none was made yet and `create` is `False`."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    if create:
+        return seed_generator.global_seed_generator()
+    return global_state.get_global_attribute(
+        seed_generator.GLOBAL_SEED_GENERATOR
+    )
 
 
 def set_initial_epoch(model, epoch):

@@ -1,18 +1,26 @@
 """Exact resume after a kill: `keras_accum.callbacks.BackupAndRestore`.
 
 A training process is killed with SIGKILL in the middle of a window (and of
-an epoch), started again with the same command, killed again, and started
-once more; it must end with the weights of the uninterrupted run (float64),
-for input of known and of unknown length. Keras' own `BackupAndRestore`
-restarts the interrupted epoch from its first batch instead.
+an epoch), in validation, and between an epoch's last batch backup and its
+validation, started again with the same command each time; it must resume
+from the backup before the kill and end with the weights of the
+uninterrupted run (float64), for input of known and of unknown length,
+in-step micro-batches and Dropout. Keras' own `BackupAndRestore` restarts
+the interrupted epoch from its first batch instead. Damaged backups (a
+truncated weights file, a garbage pointer or position) fall back to the
+previous backup, with a warning that names the file.
 """
 
 import importlib.util
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -29,12 +37,11 @@ train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train)
 
 
-def _run(tmp_path, name, data, save_freq, kill_at=None):
-    out = tmp_path / f"{name}.npz"
+def _run(tmp_path, options):
+    out = tmp_path / "resumed.npz"
     command = [
-        sys.executable, SCRIPT, str(out), str(tmp_path / f"{name}_backup"),
-        data, str(save_freq),
-    ] + ([kill_at] if kill_at else [])
+        sys.executable, SCRIPT, str(out), str(tmp_path / "resumed_backup"),
+    ] + options
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     process = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=300
@@ -47,30 +54,62 @@ def _weights(path):
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
 
 
-@pytest.mark.parametrize(
-    "data, save_freq, kills",
-    [
-        # Backups every 2 batches: the first kill replays batch 3
-        # (micro_step 3), the second resumes right at a backup.
-        ("known", 2, ["0:3", "1:6"]),
-        # Backups at epoch ends only: the interrupted epoch replays from
-        # its start, the kill at micro_step 2.
-        ("unknown", "epoch", ["1:6"]),
-    ],
-)
-def test_killed_run_resumes_exactly(tmp_path, data, save_freq, kills):
+# case: (options of `resume/train.py`, where the successive runs are killed,
+# where each run starts: [epoch, updates, pending micro-batches])
+KILLED_RUNS = {
+    # Backups every 2 of 6 batches, a partial window at each epoch's end:
+    # batch 3 is replayed mid-window; the process dies in validation (its
+    # last backup, before the window's end, holds a pending window) and
+    # right after the batch backup that ends an epoch (before validation).
+    "Dropout, validation, every 2 batches": (
+        ["--dropout", "--validation", "--samples", "48", "--save-freq", "2"],
+        ["0:3", "v0:1", "1:6"],
+        # Backups after batches 2, 6 (before its window's end) and 1:6.
+        [[0, 0, 0], [0, 0, 2], [0, 1, 2], [1, 3, 2]],
+    ),
+    # Backups at epoch ends only: the interrupted epoch replays from its
+    # start, the kill at micro_step 2.
+    "unknown length, Dropout, at epoch ends": (
+        ["--data", "unknown", "--dropout"],
+        ["1:6"],
+        [[0, 0, 0], [1, 2, 0]],
+    ),
+    # In-step micro-batches of 3 (8 rows: 3+3+2; the last step has 4: 3+1),
+    # N=2 steps, the window carried over epochs (so the short last step of
+    # epoch 0 is pending in its validation): the kill in validation and the
+    # one after the short last step replay steps 5 to 7 from the backup
+    # after step 4.
+    "in-step, short last step, validation, Dropout": (
+        ["--micro-batch-size", "3", "--steps", "2", "--samples", "52",
+         "--no-flush", "--save-freq", "4", "--validation", "--dropout"],
+        ["v0:2", "1:7"],
+        # Backups after steps 4 (of 7) and 7 + 4: step 11 pending, its 3
+        # micro-batches.
+        [[0, 0, 0], [0, 2, 0], [1, 5, 3]],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLED_RUNS))
+def test_killed_run_resumes_exactly(tmp_path, case):
+    options, kills, starts = KILLED_RUNS[case]
     # The uninterrupted run, in this process.
-    train.main(str(tmp_path / "reference.npz"), str(tmp_path / "r"), data,
-               str(save_freq))
-    reference_out = tmp_path / "reference.npz"
+    reference = tmp_path / "reference.npz"
+    train.main([str(reference), str(tmp_path / "r"), *options])
+    log = tmp_path / "starts.jsonl"
+    options = options + ["--log", str(log)]
     for kill_at in kills:
-        killed, out = _run(tmp_path, "resumed", data, save_freq, kill_at)
+        killed, out = _run(tmp_path, options + ["--kill", kill_at])
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         assert not out.exists()
-    resumed, out = _run(tmp_path, "resumed", data, save_freq)
+    resumed, out = _run(tmp_path, options)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    diff = relative_difference(_weights(reference_out), _weights(out))
-    record(f"resumed after SIGKILL ({data} length)", diff)
+    # Each restart resumed from the backup before its kill.
+    assert [json.loads(line) for line in log.read_text().splitlines()] == (
+        starts
+    )
+    diff = relative_difference(_weights(reference), _weights(out))
+    record(f"resumed after SIGKILL ({case})", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
     # A completed run removes its backups.
     assert not (tmp_path / "resumed_backup").exists()
@@ -123,6 +162,7 @@ def test_interrupted_fit_resumes_exactly(
         with pytest.raises(RuntimeError, match="interrupted"):
             run([BackupAndRestore(backup, save_freq=2), _Interrupt(epoch, batch)])
     resumed = run([BackupAndRestore(backup, save_freq=2)])
+    assert resumed.history.epoch == [2]
     diff = relative_difference(reference.get_weights(), resumed.get_weights())
     record(f"resumed after an exception ({data} length)", diff)
     assert diff <= 1e-12
@@ -131,8 +171,285 @@ def test_interrupted_fit_resumes_exactly(
     )
 
 
+class _AtStart(keras.callbacks.Callback):
+    """Records the updates and pending micro-batches that `fit()` starts
+    from (after `BackupAndRestore` restored them)."""
+
+    def on_train_begin(self, logs=None):
+        self.state = (
+            int(self.model.optimizer.iterations),
+            int(self.model.micro_step),
+        )
+
+
+def _fit(callbacks):
+    """The Dropout model of `resume/train.py` (6 batches an epoch), in this
+    process."""
+    args = train.parse(["-", "-", "--dropout", "--samples", "48"])
+    return train.fit(train.build(args), args, callbacks)
+
+
+@pytest.fixture(scope="module")
+def backups(tmp_path_factory):
+    """The uninterrupted run's weights, and the folder of the same run
+    interrupted after batch 5 of epoch 1 with `double_checkpoint=True`: the
+    backups after batches 4 (the newest) and 2."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    try:
+        reference = _fit([]).get_weights()
+        folder = tmp_path_factory.mktemp("pristine") / "backup"
+        with pytest.raises(RuntimeError, match="interrupted"):
+            _fit([
+                BackupAndRestore(folder, save_freq=2, double_checkpoint=True),
+                _Interrupt(1, 5),
+            ])
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
+        keras.backend.clear_session()
+    names = sorted(p.name for p in folder.iterdir())
+    assert [n.split("-")[:3] for n in names] == [
+        ["backup", "1", "2"], ["backup", "1", "4"], ["latest"],
+    ], names
+    return reference, folder
+
+
+def _copy(backups, tmp_path):
+    folder = tmp_path / "backup"
+    shutil.copytree(backups[1], folder)
+    newest = folder / (folder / "latest").read_text()
+    previous = next(p for p in folder.glob("backup-1-2-*"))
+    return folder, newest, previous
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _drop_optimizer(path):
+    with h5py.File(path, "a") as weights:
+        del weights["optimizer/vars/0"]
+        for layer in weights["layers"].values():
+            for value in layer["vars"].values():
+                value[...] = 100.0
+
+
+def _set_batches(path, batches):
+    position = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(position, batches=batches)))
+
+
+def _delete_pointer(folder, newest):
+    (folder / "latest").unlink()
+    # And a newer folder that a process killed mid-backup left behind.
+    half_written = folder / "backup-1-5-1-99999999999999999999"
+    half_written.mkdir()
+    shutil.copy(newest / "model.weights.h5", half_written)
+    _truncate(half_written / "model.weights.h5")
+
+
+# damage: (what it does to the copied folder, the warning it gives, the
+# backup restored: after batch 2 of epoch 1 (2 updates, 2 micro-batches
+# pending) or 4 (3 updates))
+DAMAGES = {
+    "truncated weights": (
+        lambda folder, newest: _truncate(newest / "model.weights.h5"),
+        r"Could not restore the backup in '[^']*backup-1-4-[^']*"
+        r"model\.weights\.h5' \(OSError: .*\): restoring the previous "
+        r"backup '[^']*backup-1-2-[^']*' instead\.",
+        (2, 2),
+    ),
+    "garbage position": (
+        lambda folder, newest: (newest / "position.json").write_bytes(
+            b'{"epoch": 1, "bat'
+        ),
+        r"Could not restore the backup in '[^']*backup-1-4-[^']*"
+        r"position\.json' \(JSONDecodeError: .*\): restoring the previous "
+        r"backup '[^']*backup-1-2-[^']*' instead\.",
+        (2, 2),
+    ),
+    "batches=-5": (
+        lambda folder, newest: _set_batches(newest / "position.json", -5),
+        r"position\.json' \(ValueError: `batches` must be an integer >= 0\. "
+        r"Received: batches=-5\): restoring the previous backup",
+        (2, 2),
+    ),
+    "batches=true": (
+        lambda folder, newest: _set_batches(newest / "position.json", True),
+        r"Received: batches=True\): restoring the previous backup",
+        (2, 2),
+    ),
+    # Keras loads the layers (and the pending window) but only warns that
+    # it skips the optimizer's variables: the previous backup is loaded
+    # over them.
+    "weights without the optimizer's": (
+        lambda folder, newest: _drop_optimizer(newest / "model.weights.h5"),
+        r"Could not restore the backup in '[^']*backup-1-4-[^']*"
+        r"model\.weights\.h5' \(ValueError: Skipping variable loading for "
+        r"optimizer .*\): restoring the previous backup "
+        r"'[^']*backup-1-2-[^']*' instead\.",
+        (2, 2),
+    ),
+    # The newest backup is intact: it is the one restored.
+    "garbage pointer": (
+        lambda folder, newest: (folder / "latest").write_bytes(
+            b"\xff\xfe\x00\x9c garbage"
+        ),
+        r"Could not read the pointer file '[^']*latest' "
+        r"\(UnicodeDecodeError: .*\): restoring the newest complete backup "
+        r"found, '[^']*backup-1-4-[^']*' instead\.",
+        (3, 0),
+    ),
+    "deleted pointer": (
+        _delete_pointer,
+        r"The pointer file '[^']*latest' is missing although the folder "
+        r"holds backups: restoring the newest complete backup found, "
+        r"'[^']*backup-1-4-[^']*' instead\.",
+        (3, 0),
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_backup_falls_back_exactly(backups, tmp_path, damage, float64):
+    folder, newest, _ = _copy(backups, tmp_path)
+    make_damage, warning, restored = DAMAGES[damage]
+    make_damage(folder, newest)
+    start = _AtStart()
+    with pytest.warns(UserWarning, match=warning):
+        resumed = _fit([
+            BackupAndRestore(folder, save_freq=2, double_checkpoint=True),
+            start,
+        ])
+    assert start.state == restored
+    assert resumed.history.epoch == [1, 2]
+    diff = relative_difference(backups[0], resumed.get_weights())
+    record(f"resumed from a damaged backup ({damage})", diff)
+    assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
+    assert not folder.exists()
+
+
+def test_no_intact_backup_is_an_error(backups, tmp_path, float64):
+    # One backup (`double_checkpoint=False`), damaged.
+    folder, newest, previous = _copy(backups, tmp_path)
+    shutil.rmtree(previous)
+    _truncate(newest / "model.weights.h5")
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)No backup in '[^']*backup' can be restored\. Could not "
+        r"restore the backup in '[^']*backup-1-4-[^']*model\.weights\.h5' "
+        r"\(OSError: .*\)\. To start training over, delete the folder "
+        r"'[^']*backup' \(`double_checkpoint=True` keeps the previous "
+        r"backup too, to fall back to\)\.",
+    ):
+        _fit([BackupAndRestore(folder, save_freq=2)])
+    # Both backups damaged: both files named; nothing is deleted.
+    folder, newest, previous = _copy(backups, tmp_path / "both")
+    _truncate(newest / "model.weights.h5")
+    _set_batches(previous / "position.json", "2")
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)can be restored\. Could not restore the backup in "
+        r"'[^']*backup-1-4-[^']*model\.weights\.h5' \(OSError: .*\)\. Could "
+        r"not restore the backup in '[^']*backup-1-2-[^']*position\.json' "
+        r"\(ValueError: `batches` must be an integer >= 0\. Received: "
+        r"batches='2'\)\. To start training over, delete the folder "
+        r"'[^']*backup'\.$",
+    ):
+        _fit([BackupAndRestore(folder, save_freq=2, double_checkpoint=True)])
+    assert newest.exists() and previous.exists()
+    # Only a half-written folder: an empty pointer is an error; without a
+    # pointer, the first backup was cut short and training starts over.
+    shutil.rmtree(previous)
+    (newest / "position.json").unlink()
+    (folder / "latest").write_text("")
+    with pytest.raises(
+        ValueError,
+        match=r"can be restored\. The pointer file '[^']*latest' is empty\. "
+        r"To start training over",
+    ):
+        _fit([BackupAndRestore(folder, save_freq=2)])
+    (folder / "latest").unlink()
+    start = _AtStart()
+    with pytest.warns(
+        UserWarning,
+        match=r"'[^']*backup' holds only backups that were not completed "
+        r"\(a process killed while writing its first one\): training "
+        r"starts from the beginning\.",
+    ):
+        with pytest.raises(RuntimeError, match="interrupted"):
+            _fit([BackupAndRestore(folder), start, _Interrupt(0, 1)])
+    assert start.state == (0, 0)
+
+
+def test_save_freq_numpy_integer_and_false(backups, tmp_path, float64):
+    folder = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit([
+            BackupAndRestore(folder, save_freq=np.int64(3)),
+            _Interrupt(0, 5),
+        ])
+    backup = [p.name for p in folder.glob("backup-*")]
+    assert [name.split("-")[:3] for name in backup] == [["backup", "0", "3"]]
+    # `save_freq=False`: restores that backup, writes none.
+    start = _AtStart()
+    resumed = _fit([
+        BackupAndRestore(folder, save_freq=False, delete_checkpoint=False),
+        start,
+    ])
+    assert start.state == (0, 3)
+    assert [p.name for p in folder.glob("backup-*")] == backup
+    diff = relative_difference(backups[0], resumed.get_weights())
+    record("resumed with save_freq=False", diff)
+    assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
+
+
 def test_backup_arguments_are_validated():
-    with pytest.raises(ValueError, match="Received: save_freq=0"):
-        BackupAndRestore("backup", save_freq=0)
     with pytest.raises(ValueError, match="Received: backup_dir=''"):
         BackupAndRestore("")
+    for save_freq in (True, 0, -2, "x", 2.0, np.bool_(True)):
+        with pytest.raises(
+            ValueError,
+            match=r"`save_freq` must be 'epoch', an integer >= 1 or False\. "
+            rf"Received: save_freq={re.escape(repr(save_freq))}$",
+        ):
+            BackupAndRestore("backup", save_freq=save_freq)
+    assert BackupAndRestore("backup", save_freq=np.int64(3)).save_freq == 3
+    assert type(BackupAndRestore("b", save_freq=np.int64(3)).save_freq) is int
+    assert BackupAndRestore("backup", save_freq=False).save_freq is False
+    with pytest.raises(
+        ValueError, match="Received: double_checkpoint='yes'"
+    ):
+        BackupAndRestore("backup", double_checkpoint="yes")
+
+
+def test_unservable_model_and_folder_are_refused_at_train_begin(tmp_path):
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(
+        ValueError,
+        match=r"`keras_accum.callbacks.BackupAndRestore` needs a "
+        r"`GradientAccumulationModel` \(for other models, use "
+        r"`keras.callbacks.BackupAndRestore`\)\. Received: model of type "
+        r"Sequential",
+    ):
+        plain.fit(x, y, verbose=0,
+                  callbacks=[BackupAndRestore(tmp_path / "plain")])
+    model = keras_accum.GradientAccumulationModel.from_model(
+        plain, gradient_accumulation_steps=2
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    under_a_file = a_file / "backup"
+    with pytest.raises(
+        ValueError,
+        match=r"`backup_dir` must be a folder that this process can write "
+        rf"backups to; writing to '{re.escape(str(under_a_file))}' failed "
+        r"\((NotADirectoryError|FileExistsError): .*\)\. Received: "
+        r"backup_dir=",
+    ):
+        model.fit(x, y, verbose=0, callbacks=[BackupAndRestore(under_a_file)])
+    assert int(model.optimizer.iterations) == 0

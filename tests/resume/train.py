@@ -1,16 +1,20 @@
 """A training run that the resume test kills with SIGKILL and starts again.
 
-Usage: python train.py OUT_FILE BACKUP_DIR DATA SAVE_FREQ [EPOCH:BATCH]
+Usage: python train.py OUT_FILE BACKUP_DIR [options]
 
-Trains a small float64 model with BatchNormalization (N=4 micro-batches of
-8, 7 micro-batches an epoch, 3 epochs, Adam) with
-`keras_accum.callbacks.BackupAndRestore`, on arrays (`DATA=known`) or on a
-`tf.data` pipeline of unknown length (`DATA=unknown`). If EPOCH:BATCH is
-given the process kills itself with SIGKILL right after that batch (Keras'
-count: batches the resumed run skips count too). A run that ends writes the
-final weights to OUT_FILE (`.npz`).
+Trains a small float64 model with BatchNormalization (micro-batches of 8,
+3 epochs, Adam) with `keras_accum.callbacks.BackupAndRestore`, on arrays
+(`--data known`) or on a `tf.data` pipeline of unknown length
+(`--data unknown`). `--kill EPOCH:BATCH` has the process kill itself with
+SIGKILL right after that train batch (Keras' count: batches the resumed run
+skips count too), `--kill vEPOCH:BATCH` right after that batch of the
+epoch's validation. `--log FILE` appends where the run starts, after the
+restore, as a JSON line `[epoch, updates, pending micro-batches]`. A run that
+ends writes the final weights to OUT_FILE (`.npz`).
 """
 
+import argparse
+import json
 import os
 import signal
 import sys
@@ -26,51 +30,146 @@ import keras_accum  # noqa: E402
 
 
 class KillAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
+    """SIGKILL after train batch `EPOCH:BATCH`, or validation batch
+    `vEPOCH:BATCH` (1-based batches)."""
+
+    def __init__(self, spec):
         super().__init__()
-        self.at = (epoch, batch)
+        self.in_validation = spec.startswith("v")
+        self.at = tuple(map(int, spec.lstrip("v").split(":")))
         self.epoch = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch + 1) == self.at:
+    def _kill_at(self, batch, in_validation):
+        if in_validation == self.in_validation and (
+            (self.epoch, batch + 1) == self.at
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def on_train_batch_end(self, batch, logs=None):
+        self._kill_at(batch, False)
 
-def main(out, backup_dir, data, save_freq, kill_at=None):
+    def on_test_batch_end(self, batch, logs=None):
+        self._kill_at(batch, True)
+
+
+class LogStart(keras.callbacks.Callback):
+    """Appends `[epoch, updates, pending]` of the run's start to a file."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.start = path, None
+
+    def on_train_begin(self, logs=None):
+        self.start = [
+            int(self.model.optimizer.iterations), int(self.model.micro_step)
+        ]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.start is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps([epoch] + self.start) + "\n")
+            self.start = None
+
+
+class GlobalNoise(keras.layers.Layer):
+    """Adds noise drawn from Keras' global seed generator (unseeded)."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + keras.random.normal(keras.ops.shape(x), stddev=0.1)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("backup_dir")
+    parser.add_argument(
+        "--data", choices=["known", "unknown"], default="known"
+    )
+    parser.add_argument("--save-freq", default="epoch")
+    parser.add_argument("--kill", help="EPOCH:BATCH or vEPOCH:BATCH")
+    parser.add_argument("--samples", type=int, default=56)
+    parser.add_argument("--steps", type=int, default=4, help="N")
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--no-flush", action="store_true",
+                        help="flush_at_epoch_end=False")
+    parser.add_argument("--validation", action="store_true")
+    parser.add_argument("--dropout", action="store_true",
+                        help="Dropout(0.5) and noise from the global seed")
+    parser.add_argument("--double-checkpoint", action="store_true")
+    parser.add_argument("--log", help="a file for where each run starts")
+    return parser.parse_args(argv)
+
+
+def build(args):
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     h = keras.layers.Dense(8, activation="tanh")(inputs)
+    if args.dropout:
+        h = GlobalNoise()(keras.layers.Dropout(0.5)(h))
     h = keras.layers.BatchNormalization()(h)
     outputs = keras.layers.Dense(1)(h)
     model = keras_accum.GradientAccumulationModel(
-        inputs, outputs, gradient_accumulation_steps=4
+        inputs,
+        outputs,
+        gradient_accumulation_steps=args.steps,
+        micro_batch_size=args.micro_batch_size,
+        flush_at_epoch_end=not args.no_flush,
     )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def data(args):
+    """Train and validation arrays: `args.samples` and 16 rows."""
     rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(56, 6)), rng.normal(size=(56, 1))
-    save_freq = save_freq if save_freq == "epoch" else int(save_freq)
-    callbacks = [keras_accum.callbacks.BackupAndRestore(backup_dir, save_freq)]
-    if kill_at:
-        callbacks.append(KillAt(*map(int, kill_at.split(":"))))
-    if data == "unknown":
-        dataset = (
-            tf.data.Dataset.from_tensor_slices((x, y))
-            .filter(lambda *_: True)
-            .batch(8)
-        )
-        model.fit(dataset, epochs=3, callbacks=callbacks, verbose=0)
+    x = rng.normal(size=(args.samples, 6))
+    y = rng.normal(size=(args.samples, 1))
+    return x, y, rng.normal(size=(16, 6)), rng.normal(size=(16, 1))
+
+
+def fit(model, args, callbacks):
+    x, y, x_val, y_val = data(args)
+    kwargs = dict(epochs=3, callbacks=callbacks, verbose=0)
+    if args.data == "unknown":
+        def dataset(*arrays):
+            pipeline = tf.data.Dataset.from_tensor_slices(arrays)
+            return pipeline.filter(lambda *_: True).batch(8)
+
+        validation = dataset(x_val, y_val) if args.validation else None
+        model.fit(dataset(x, y), validation_data=validation, **kwargs)
     else:
+        validation = (x_val, y_val) if args.validation else None
         model.fit(
-            x, y, batch_size=8, epochs=3, shuffle=False, callbacks=callbacks,
-            verbose=0,
+            x, y, batch_size=8, shuffle=False, validation_data=validation,
+            **kwargs,
         )
-    np.savez(out, *model.get_weights())
+    return model
+
+
+def main(argv):
+    args = parse(argv)
+    save_freq = args.save_freq
+    save_freq = save_freq if save_freq == "epoch" else int(save_freq)
+    callbacks = [
+        keras_accum.callbacks.BackupAndRestore(
+            args.backup_dir, save_freq,
+            double_checkpoint=args.double_checkpoint,
+        )
+    ]
+    if args.log:
+        callbacks.append(LogStart(args.log))
+    if args.kill:
+        callbacks.append(KillAt(args.kill))
+    model = fit(build(args), args, callbacks)
+    np.savez(args.out, *model.get_weights())
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])
