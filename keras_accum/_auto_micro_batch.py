@@ -37,6 +37,12 @@ class DeviceMemory:
                 self.limit = int(limit) * _MIB
 
     @property
+    def xla_aborts(self):
+        """Whether XLA cannot run here: XLA's CPU runtime aborts the process
+        in the allocator when a limit is reached (TensorFlow 2.21)."""
+        return self.device == "CPU:0" and self.limit is not None
+
+    @property
     def unlimited(self):
         """Whether nothing but the host's memory limits a CPU's tensors."""
         return self.device == "CPU:0" and self.limit is None
@@ -60,8 +66,17 @@ class DeviceMemory:
             return None
         return peak or None
 
-    def check(self):
+    def check(self, jit_compile=False):
         """Warns where "auto" cannot find a limit, or may crash at one."""
+        if jit_compile is True and self.xla_aborts:
+            warnings.warn(
+                "`micro_batch_size='auto'` trains without XLA on a CPU with "
+                "a memory limit: XLA's CPU runtime aborts the process, "
+                "instead of raising `ResourceExhaustedError`, when the limit "
+                "is reached. (Evaluation and prediction keep "
+                "`jit_compile=True`.)",
+                stacklevel=3,
+            )
         if self.unlimited:
             warnings.warn(
                 "`micro_batch_size='auto'` chooses the largest micro-batch "
@@ -190,7 +205,7 @@ class AutoMicroBatch:
         """
         if not self._checked:
             self._checked = True
-            self.memory.check()
+            self.memory.check(self.model.jit_compile)
 
         def train(iterator):
             logs = None

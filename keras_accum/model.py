@@ -525,15 +525,18 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def _keras_train_function(self):
         """Keras' train function of this model, traced when first called."""
         current = self.train_function
-        self._micro_batches_in_xla = _loop_outside_xla(self)
-        if self._micro_batches_in_xla:
-            # Keras compiles the whole step with XLA: here only the body.
+        auto = self._auto_micro_batch
+        no_xla = auto is not None and auto.memory.xla_aborts
+        self._micro_batches_in_xla = not no_xla and _loop_outside_xla(self)
+        jit_compile = self.jit_compile
+        if self._micro_batches_in_xla or no_xla:
+            # Keras compiles the whole step with XLA: here only the body,
+            # or (a CPU with a memory limit and "auto") nothing.
             self.jit_compile = False
         try:
             super().make_train_function(force=True)
         finally:
-            if self._micro_batches_in_xla:
-                self.jit_compile = True
+            self.jit_compile = jit_compile
         function, self.train_function = self.train_function, current
         return function
 

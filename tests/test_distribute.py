@@ -257,3 +257,6 @@ def test_pending_window_saved_per_replica():
     assert result["micro_steps"] == [2, 1, 3]
     assert result["same_replicas"] <= 1e-12, result
     assert result["one_device"] <= 1e-9, result
+    # Applied straight after loading, before any trace: as the saving run.
+    assert result["flush_applied"] == [True, True, True]
+    assert result["flushed"] <= 1e-12, result

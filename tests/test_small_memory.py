@@ -26,23 +26,21 @@ CHILD = os.path.join(os.path.dirname(__file__), "small_memory", "child.py")
 LIMIT_MB = 110
 
 
-@pytest.fixture(scope="module")
-def small_device(tmp_path_factory):
-    """Runs every scenario once on the small device; returns a reader."""
-    out = tmp_path_factory.mktemp("small_memory")
-    names = ["plain", "auto", "fixed", "growing", "dropout"]
+def _small_device(tmp_path, *names, limit_mb=LIMIT_MB):
+    """Runs scenarios `names` in a child on the small device; returns a
+    reader of each one's result (weights, history, output, error)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
-        [sys.executable, CHILD, str(LIMIT_MB), str(out)] + names,
+        [sys.executable, CHILD, str(limit_mb), str(tmp_path)] + list(names),
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
     def read(name):
-        with open(out / f"{name}.json") as f:
+        with open(tmp_path / f"{name}.json") as f:
             info = json.load(f)
         if "error" not in info:
-            with np.load(out / f"{name}.npz") as saved:
+            with np.load(tmp_path / f"{name}.npz") as saved:
                 info["weights"] = [saved[k] for k in saved.files]
         return info
 
@@ -57,11 +55,11 @@ def _assert_history_close(history, reference):
         np.testing.assert_allclose(history[key], values, rtol=1e-6)
 
 
-def test_plain_keras_runs_out_of_memory_at_the_effective_batch(small_device):
+def test_auto_trains_the_effective_batch_exactly(tmp_path, float64):
+    # Arrays, `steps_per_execution=2`, metrics.
+    small_device = _small_device(tmp_path, "plain", "auto")
+    # Plain Keras at the effective batch runs out: the limit is real.
     assert small_device("plain")["error"] == "ResourceExhaustedError"
-
-
-def test_auto_trains_the_effective_batch_exactly(small_device, float64):
     info = small_device("auto")
     reference, history = scenarios.reference("auto")
     diff = relative_difference(reference.get_weights(), info["weights"])
@@ -80,17 +78,28 @@ def test_auto_trains_the_effective_batch_exactly(small_device, float64):
     ) in lines
 
 
-def test_a_fixed_size_that_does_not_fit_says_what_would(small_device):
+def test_sizes_that_do_not_fit_say_what_would(tmp_path):
+    small_device = _small_device(tmp_path, "fixed", "tiny")
     info = small_device("fixed")
     assert info["error"] == "ResourceExhaustedError"
     message = info["message"]
     assert f"Out of memory in a train step with micro-batches of {scenarios.E} rows" in message
     assert f"Try `micro_batch_size={scenarios.E // 2}`, or `micro_batch_size='auto'`" in message
+    # "auto" when not even one row fits: what did not fit, in what.
+    message = small_device("tiny")["message"]
+    assert (
+        "Not even one row of the batch fits: a micro-batch of 1 row of input "
+        f"shape (1, 512, 512, 3) (the batch: (2, 512, 512, 3)) ran out of "
+        f"{LIMIT_MB} MiB (peak "
+    ) in message
 
 
-def test_inputs_that_grow_within_an_epoch_are_recovered(small_device, float64):
-    # A pipeline with no image size in its spec: 32x32 images, then 64x64.
-    info = small_device("growing")
+def test_inputs_that_grow_within_an_epoch_are_recovered(tmp_path, float64):
+    # A pipeline with no image size in its spec: 32x32 images, then 64x64,
+    # windows of three steps.
+    info = _small_device(
+        tmp_path, "growing", limit_mb=scenarios.HOG_LIMIT_MB
+    )("growing")
     reference, _ = scenarios.reference("growing")
     diff = relative_difference(reference.get_weights(), info["weights"])
     record("'auto', inputs growing mid-epoch, vs plain Keras", diff)
@@ -98,18 +107,25 @@ def test_inputs_that_grow_within_an_epoch_are_recovered(small_device, float64):
     assert info["iterations"] == 2
     lines = info["stdout"]
     assert f"Micro-batches of {scenarios.E} of the batch of {scenarios.E} fit" in lines
+    assert "Micro-batches of 16 of the batch of 32 (rows of shape (64, 64, 3)) fit" in lines
     # The third 64x64 step tried twice the second's size, ran out of
     # memory with two steps of its window pending, and was trained again.
-    assert "(input shape (32, 64, 64, 3)): the step was rolled back" in lines
-    assert info["micro_batch_size"] < scenarios.E
+    assert (
+        "Out of memory with micro-batches of 32 of the batch of 32 (input "
+        "shape (32, 64, 64, 3)): the step was rolled back"
+    ) in lines
+    assert info["micro_batch_size"] == 16
 
 
-def test_rolled_back_steps_leave_the_seed_generators(small_device, float64):
+def test_rolled_back_steps_leave_the_seed_generators(tmp_path, float64):
     # Dropout draws from a seed generator in every micro-batch: a failed
     # step that advanced it would change every mask after it. The same
     # micro-batches, chosen upfront, without a limit: the same weights.
-    info = small_device("dropout")
-    assert "Out of memory" in info["stdout"]
+    info = _small_device(
+        tmp_path, "dropout", limit_mb=scenarios.HOG_LIMIT_MB
+    )("dropout")
+    assert "Out of memory with micro-batches of 32" in info["stdout"]
+    assert info["micro_batch_size"] == 16
     model, history = scenarios.run(
         "dropout", limited=False, micro_batch_size=info["micro_batch_size"]
     )
@@ -117,3 +133,60 @@ def test_rolled_back_steps_leave_the_seed_generators(small_device, float64):
     record("'auto' with Dropout vs the same micro-batches, no limit", diff)
     assert diff <= 1e-12
     _assert_history_close(info["history"], history)
+
+
+def test_auto_with_xla_and_mixed_precision(tmp_path, float64):
+    # Each compared with the same micro-batches, chosen upfront, without a
+    # limit (and so without a rolled-back step).
+    small_device = _small_device(tmp_path, "jit", "mixed")
+    for name, rtol in (("jit", 1e-9), ("mixed", 1e-5)):
+        info = small_device(name)
+        assert "Out of memory" in info["stdout"]
+        size = info["micro_batch_size"]
+        assert 1 <= size < scenarios.E
+        model, history = scenarios.run(name, limited=False, micro_batch_size=size)
+        diff = relative_difference(model.get_weights(), info["weights"])
+        record(f"'auto' ({name}) vs the same micro-batches, no limit", diff)
+        assert diff <= rtol
+        assert info["iterations"] == int(model.optimizer.iterations) == 8
+    # A CPU with a limit trains without XLA, and says why.
+    assert any(
+        "trains without XLA on a CPU with a memory limit" in w
+        for w in small_device("jit")["warnings"]
+    )
+
+
+def test_auto_per_replica(tmp_path, float64):
+    # Two replicas (logical CPUs): each replica's half of the batch is
+    # split as far as it must be.
+    info = _small_device(tmp_path, "mirrored")("mirrored")
+    assert "of the batch of 16 per replica fit in" in info["stdout"]
+    reference, history = scenarios.reference("auto")
+    diff = relative_difference(reference.get_weights(), info["weights"])
+    record("'auto' on 2 replicas vs plain Keras", diff)
+    assert diff <= 1e-9
+    assert info["iterations"] == 8
+
+
+def test_auto_without_a_limit_says_so_and_trains_whole_batches(float64):
+    import keras_accum
+
+    x, y = scenarios.images(2 * scenarios.E, 16, seed=2)
+    model = scenarios._compile(
+        scenarios.net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
+    )
+    assert model.micro_batch_size == "auto"
+    with pytest.warns(UserWarning, match="this CPU has no memory limit: each batch is trained as one micro-batch"):
+        model.fit(x, y, batch_size=scenarios.E, shuffle=False, verbose=0)
+    assert model.micro_batch_size == scenarios.E
+    reference = scenarios._compile(scenarios.net())
+    reference.fit(x, y, batch_size=scenarios.E, shuffle=False, verbose=0)
+    diff = relative_difference(reference.get_weights(), model.get_weights())
+    assert diff <= 1e-9
+    # Saved as "auto", not as the size this device chose.
+    config = model.get_config()
+    assert config["micro_batch_size"] == "auto"
+    clone = keras_accum.GradientAccumulationModel.from_config(config)
+    assert clone.micro_batch_size == "auto"
+    with pytest.raises(ValueError, match="`micro_batch_size` must be an integer >= 1, 'auto' or None. Received: micro_batch_size='max'"):
+        keras_accum.GradientAccumulationModel(micro_batch_size="max")

@@ -1,5 +1,8 @@
 """Saves a pending window under `MirroredStrategy` and restores it.
 
+Each file is also loaded and its window applied at once with
+`flush_gradients()`, before any train step was traced.
+
 Run by `tests/test_distribute.py` in a subprocess (two logical CPU devices).
 Trains `GradientAccumulationModel` (with BatchNormalization) on two replicas
 and saves `.keras` files in the middle of windows; each is loaded (a) under
@@ -92,6 +95,23 @@ def main():
         model = keras.saving.load_model(path)
         fit(model, point)
         result["one_device"] = max(result["one_device"], difference(model))
+    # Applied at once after loading, before any train step was traced: as
+    # the saving run would have applied it (a `fit()` that ends there).
+    result["flushed"], result["flush_applied"] = 0.0, []
+    for point in POINTS:
+        with strategy.scope():
+            reference = make()
+        fit_part = dict(batch_size=BATCH, shuffle=False, verbose=0)
+        reference.fit(x[: point * BATCH], y[: point * BATCH], **fit_part)
+        with strategy.scope():
+            model = keras.saving.load_model(
+                os.path.join(folder, f"{point}.keras")
+            )
+        result["flush_applied"].append(
+            model.train_function is None and model.flush_gradients()
+        )
+        expected = reference.get_weights()
+        result["flushed"] = max(result["flushed"], difference(model))
     result["iterations"] = int(uninterrupted.optimizer.iterations.numpy())
     print(json.dumps(result))
 

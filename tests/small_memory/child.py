@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -31,15 +32,23 @@ from small_memory import scenarios  # noqa: E402
 
 
 def main(out_dir, names):
+    if "mirrored" in names:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2,
+        )
     for name in names:
         info = {}
         stdout = io.StringIO()
         try:
-            with contextlib.redirect_stdout(stdout):
+            with contextlib.redirect_stdout(stdout), warnings.catch_warnings(
+                record=True
+            ) as caught:
+                warnings.simplefilter("always")
                 model, history = scenarios.run(name, limited=True)
             info.update(
                 history={k: [float(v) for v in vs] for k, vs in history.items()},
-                iterations=int(model.optimizer.iterations),
+                iterations=int(model.optimizer.iterations.numpy()),
                 micro_batch_size=getattr(model, "micro_batch_size", None),
             )
             np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
@@ -47,6 +56,7 @@ def main(out_dir, names):
             info["error"] = type(error).__name__
             info["message"] = error.message
         info["stdout"] = stdout.getvalue()
+        info["warnings"] = [str(w.message) for w in caught]
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump(info, f)
 

@@ -16,7 +16,30 @@ import keras_accum
 E = 32
 
 
-def net(cls=keras.Model, dropout=0.0, **kwargs):
+# Under `HOG_LIMIT_MB`, `MemoryHog` decides which micro-batches fit.
+HOG_LIMIT_MB = 400
+HOG_MAX_ROWS = 16
+
+
+class MemoryHog(keras.layers.Layer):
+    """Returns its input; for a micro-batch of more than `max_rows` images
+    wider than `from_side`, it also asks for 800 MB while it runs: what
+    runs out of memory then does not depend on the allocator's state."""
+
+    def __init__(self, max_rows=HOG_MAX_ROWS, from_side=0, **kwargs):
+        super().__init__(**kwargs)
+        self.max_rows, self.from_side = max_rows, from_side
+
+    def call(self, x):
+        shape = tf.shape(x)
+        over = tf.logical_and(shape[0] > self.max_rows, shape[2] > self.from_side)
+        # Filled from the data, so that nothing folds it into a constant.
+        value = tf.stop_gradient(tf.reduce_max(x))
+        held = tf.fill([100_000_000 * tf.cast(over, tf.int32)], value)
+        return x + tf.zeros((), x.dtype) * tf.reduce_sum(held)
+
+
+def net(cls=keras.Model, dropout=0.0, hog_from_side=None, **kwargs):
     """A small fully-convolutional net on images of any size."""
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
@@ -25,6 +48,9 @@ def net(cls=keras.Model, dropout=0.0, **kwargs):
     h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
     if dropout:
         h = keras.layers.Dropout(dropout)(h)
+    if hog_from_side is not None:
+        # After Dropout: a step that fails here has drawn its masks.
+        h = MemoryHog(from_side=hog_from_side)(h)
     h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
     outputs = keras.layers.Conv2D(2, 1)(h)
     return cls(inputs, outputs, **kwargs)
@@ -47,8 +73,9 @@ def _compile(model, **kwargs):
 
 
 # The growing pipeline: windows of 3 batches, 32x32 then 64x64 images. The
-# 64x64 batches start from a quarter of the 32x32 micro-batch and double:
-# the third runs out of memory with two steps of its window pending.
+# 64x64 batches start from a quarter of the 32x32 micro-batch (8) and
+# double: the third (32, over `MemoryHog`'s 16) runs out of memory with two
+# steps of its window pending.
 N_GROWING = 3
 GROWING_SIDES = (32, 32, 32, 64, 64, 64)
 
@@ -89,11 +116,40 @@ def run(name, limited, micro_batch_size="auto"):
             jit_compile=name == "auto_jit",
         )
         history = model.fit(x, y, batch_size=E, **fit)
+    elif name in ("jit", "mixed"):
+        # XLA (each micro-batch compiled, on a CPU), and mixed precision
+        # with its loss scale: compared with the same micro-batches chosen
+        # upfront, without a limit.
+        if name == "mixed":
+            keras.config.set_dtype_policy("mixed_float16")
+        model = _compile(
+            net(
+                keras_accum.GradientAccumulationModel,
+                micro_batch_size=micro_batch_size,
+            ),
+            jit_compile=name == "jit",
+        )
+        if name == "mixed":
+            x = x.astype("float32")
+        history = model.fit(x, y, batch_size=E, **fit)
+    elif name == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            model = _compile(
+                net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
+            )
+        history = model.fit(x, y, batch_size=E, **fit)
+    elif name == "tiny":
+        model = _compile(
+            net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
+        )
+        x, y = images(2, 512, seed=1)
+        history = model.fit(x, y, batch_size=2, **fit)
     elif name == "dropout":
         model = _compile(
             net(
                 keras_accum.GradientAccumulationModel, dropout=0.3,
-                micro_batch_size=micro_batch_size,
+                micro_batch_size=micro_batch_size, hog_from_side=0,
             )
         )
         history = model.fit(x, y, batch_size=E, **fit)
@@ -103,6 +159,7 @@ def run(name, limited, micro_batch_size="auto"):
                 keras_accum.GradientAccumulationModel,
                 micro_batch_size="auto",
                 gradient_accumulation_steps=N_GROWING,
+                hog_from_side=32,
             )
         )
         history = model.fit(growing_dataset(), epochs=1, verbose=fit["verbose"])
@@ -115,7 +172,7 @@ def reference(name):
     """Plain Keras at the effective batch on the same samples: weights and
     history."""
     if name == "growing":
-        model = _compile(net())
+        model = _compile(net(hog_from_side=32))
         batches = growing_batches()
         for start in range(0, len(batches), N_GROWING):
             window = batches[start : start + N_GROWING]
