@@ -31,10 +31,22 @@ N micro-batches), so its rows compare directly with plain at batch B.
 Without a GPU it prints a note and runs on CPU (use ``--quick``: tiny U-Net);
 memory is then TF's CPU tensor memory (BFC allocator enabled for the child).
 
+``--limit-mb 4096,6144`` runs instead what ``benchmarks/memory.py
+--limit-mb`` runs, on logical GPUs of 4 and 6 GiB (the same U-Net, float32,
+XLA off): per size, the largest batch of a plain ``keras.Model``, the
+largest effective batch ``micro_batch_size="auto"`` trains (up to
+``--limit-cap``, default 256), the micro-batch it chose next to the largest
+fixed ``micro_batch_size`` at that batch, and samples per second of each;
+every probe in a fresh process. Without a GPU the limits apply to the CPU
+(TF's BFC allocator, oneDNN off): use ``--quick`` and small limits there.
+
 Usage:
     python benchmarks/gpu.py                 # on a GPU machine
     python benchmarks/gpu.py --quick         # CPU smoke test
     python benchmarks/gpu.py --json benchmarks/results/gpu.json
+    python benchmarks/gpu.py --limit-mb 4096,6144 \
+        --json benchmarks/results/memory_limits_gpu.json
+    python benchmarks/gpu.py --quick --limit-mb 128,256   # its CPU fallback
 """
 
 import argparse
@@ -171,6 +183,56 @@ def run_child(args):
 
 
 # --------------------------------------------------------------------------
+# --limit-mb: what trains in a logical GPU of each size (memory.py's run)
+# --------------------------------------------------------------------------
+def main_limits(args, limits):
+    import common
+    import memory
+
+    q = args.quick
+    args.limit_cap = args.limit_cap or 256
+    args.limit_start = args.limit_start or (16 if q else 2)
+    args.jit = False
+    intra, inter = common.configure_threads(args.intra, args.inter)
+    env = common.environment(intra, inter)
+    common.print_environment(env)
+    on_gpu = bool(common.gpus())
+    if not on_gpu:
+        print("\nNOTE: no GPU found. The limits apply to the CPU instead (TF's "
+              "BFC allocator, oneDNN off), and the samples/s are CPU "
+              "figures; use --quick and limits of a few hundred MiB here.\n")
+    if not common.have_accum():
+        print("keras_accum is not importable: no limit run.")
+        return 1
+    t_start = time.perf_counter()
+    print(f"\nLimits {', '.join(map(str, limits))} MiB; U-Net {args.size}x"
+          f"{args.size}, base {args.base_filters}, depth {args.depth}; each "
+          "probe a fresh process ...", flush=True)
+    rows, results, probes = memory.run_limits(
+        args, limits, on_gpu,
+        script=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                            "memory.py"))
+    memory.print_limit_table(rows, args, env, env["device"])
+    total = time.perf_counter() - t_start
+    print(f"\nTotal benchmark time: {total:.0f} s ({len(probes)} processes)")
+    common.write_json(args.json, {
+        "benchmark": "memory_limits",
+        "environment": env,
+        "settings": {k: getattr(args, k) for k in (
+            "size", "base_filters", "depth", "limit_cap", "limit_start",
+            "limit_bisect", "limit_warmup", "limit_timed", "quick")},
+        "limits_mib": limits,
+        "device": "GPU" if on_gpu else "CPU",
+        "headers": memory.LIMIT_HEADERS,
+        "table": rows,
+        "results": results,
+        "probes": probes,
+        "total_seconds": total,
+    })
+    return 0
+
+
+# --------------------------------------------------------------------------
 # Parent
 # --------------------------------------------------------------------------
 def main(argv=None):
@@ -198,6 +260,24 @@ def main(argv=None):
     parser.add_argument("--inter", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--limit-mb", default=None,
+        help="comma list of logical GPU sizes in MiB, e.g. 4096,6144: "
+             "instead of the step times, what trains in a device of each "
+             "size (benchmarks/memory.py --limit-mb)")
+    parser.add_argument("--limit-cap", type=int, default=None,
+                        help="--limit-mb: largest effective batch tried with "
+                             "'auto' (default 256; --quick: 256)")
+    parser.add_argument("--limit-start", type=int, default=None,
+                        help="--limit-mb: first batch plain tries (default 2; "
+                             "--quick: 16)")
+    parser.add_argument("--limit-bisect", type=int, default=2,
+                        help="--limit-mb: bisection steps (default 2)")
+    parser.add_argument("--limit-warmup", type=int, default=2,
+                        help="--limit-mb: steps before the timed ones "
+                             "(default 2: cuDNN autotuning)")
+    parser.add_argument("--limit-timed", type=int, default=3,
+                        help="--limit-mb: timed steps (default 3)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -210,6 +290,9 @@ def main(argv=None):
     args.rounds = args.rounds or (2 if q else 5)
     args.steps = args.steps or (8 if q else 32)
     args.warmup = args.warmup or 16
+    limits = [int(v) for v in (args.limit_mb or "").split(",") if v.strip()]
+    if limits and not args.child:
+        return main_limits(args, limits)
     ns = [int(v) for v in args.ns.split(",") if v.strip()]
     ns += [int(v) for v in args.in_step_ns.split(",") if v.strip()]
     if args.steps % max(ns) or args.warmup % (2 * max(ns)):

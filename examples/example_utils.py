@@ -1,33 +1,55 @@
-"""Helpers shared by the segmentation examples: flags, strategy, figures,
-and the peak memory, saved weights, table and figure of the comparison.
+"""Helpers shared by the examples: flags, strategy, figures, the peak
+memory, saved weights, table and figure of the comparison, and the device
+memory limit of the small-memory runs.
 
 The examples' own files hold what they teach (data pipeline, model,
 training); this module holds the plumbing that several of them share.
 """
 
 import argparse
+import io
 import json
 import os
+import re
 import resource
+import subprocess
 import sys
 
+import keras
 import numpy as np
-import synthetic_shapes
 import tensorflow as tf
 
-# Per dataset: class names and the default image size.
-DATASETS = {
-    "synthetic_shapes": {
-        "class_names": synthetic_shapes.CLASS_NAMES,
-        # The dataset is 64x64; training on it downscaled to 32x32 is four
-        # times cheaper and loses little (`--image-size 64` for full size).
-        "image_size": 32,
-    },
-    "oxford_iiit_pet": {
-        "class_names": ["background", "pet"],
-        "image_size": 128,
-    },
-}
+DATASET_NAMES = ("oxford_iiit_pet", "synthetic_shapes")
+
+
+def _datasets():
+    """Per dataset: class names and the default image size."""
+    # Imported here: `synthetic_shapes` imports tensorflow-datasets, which
+    # the language-model example does not need.
+    import synthetic_shapes
+
+    return {
+        "synthetic_shapes": {
+            "class_names": synthetic_shapes.CLASS_NAMES,
+            # The dataset is 64x64; training on it downscaled to 32x32 is
+            # four times cheaper and loses little (`--image-size 64` for
+            # full size).
+            "image_size": 32,
+        },
+        "oxford_iiit_pet": {
+            "class_names": ["background", "pet"],
+            "image_size": 128,
+        },
+    }
+
+
+def __getattr__(name):
+    # `DATASETS`, made on first use (PEP 562).
+    if name == "DATASETS":
+        globals()["DATASETS"] = _datasets()
+        return globals()["DATASETS"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Settings of the default run, tuned so that it reaches a validation mean IoU
 # above 0.75 on synthetic_shapes in well under three minutes on a two-core CPU
@@ -65,7 +87,7 @@ def docstring_title(doc):
 # keywords. "{name}" in a help text stands for the script's default `name`.
 FLAGS = {
     "dataset": dict(
-        choices=sorted(DATASETS),
+        choices=sorted(DATASET_NAMES),
         default="synthetic_shapes",
         help="TFDS dataset to train on (default: %(default)s).",
     ),
@@ -152,7 +174,7 @@ def build_parser(description, flags=tuple(FLAGS), defaults=DEFAULTS, **texts):
 def resolve_settings(args, defaults=DEFAULTS, smoke=SMOKE):
     """Fills the flags left unset from `defaults`, `smoke` and the dataset."""
     fallback = {
-        "image_size": DATASETS[args.dataset]["image_size"],
+        "image_size": _datasets()[args.dataset]["image_size"],
         "max_samples": None,
         **defaults,
     }
@@ -430,3 +452,179 @@ def comparison_table(results, names):
             f"| {memory:.0f} | {growth} | {r['train_seconds']:.1f} |"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Small-memory runs (`--memory-limit-mb`): the device's limit, the messages
+# of `micro_batch_size="auto"` and the peak of the train steps
+# ---------------------------------------------------------------------------
+
+# Set before TensorFlow starts, they give the CPU a memory limit that raises
+# `ResourceExhaustedError` as a full GPU does. oneDNN's kernels crash the
+# process at the limit instead of raising, so they are turned off.
+CPU_LIMIT_VARIABLES = ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB",
+                       "TF_ENABLE_ONEDNN_OPTS")
+_CHILD = "KERAS_ACCUM_EXAMPLE_LIMITED"
+
+
+def cpu_limit_environment(limit_mb):
+    """The environment variables that give the CPU `limit_mb` MiB."""
+    return dict(zip(CPU_LIMIT_VARIABLES, ("true", str(int(limit_mb)), "0")))
+
+
+def limit_device_memory(limit_mb, script, argv):
+    """Gives this process's device a memory limit of `limit_mb` MiB.
+
+    On a GPU: a logical device of `limit_mb` MiB on every GPU, set before
+    any GPU is used. On a CPU the limit comes from environment variables
+    that TensorFlow reads when it starts: if they are not set already, the
+    script runs again in a child process that has them.
+
+    Args:
+        limit_mb: int, the limit in MiB.
+        script: path of the script to run again.
+        argv: its arguments (`None`: this process's).
+
+    Returns:
+        `None` if the limit is in effect in this process; otherwise the
+        child's exit code (it has done the run).
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    env = dict(os.environ)
+    if gpus:
+        try:
+            for gpu in gpus:
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(
+                        memory_limit=int(limit_mb))])
+            return None
+        except RuntimeError:  # A GPU is in use already: a fresh process.
+            if os.environ.get(_CHILD):
+                raise
+    else:
+        wanted = cpu_limit_environment(limit_mb)
+        if all(os.environ.get(k, "").lower() == v for k, v in wanted.items()):
+            return None
+        env.update(wanted)
+        # TensorFlow logs the allocator's state at every out-of-memory
+        # error; the run prints what it means.
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        print(f"Running again with a CPU memory limit of {int(limit_mb):,} "
+              "MiB: " + " ".join(f"{k}={v}" for k, v in wanted.items()),
+              flush=True)
+    env[_CHILD] = "1"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return subprocess.run([sys.executable, os.path.abspath(script), *argv],
+                          env=env).returncode
+
+
+def memory_device():
+    """`"GPU:0"` or `"CPU:0"`: the device whose memory the runs measure."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def out_of_memory_line(error):
+    """The telling line of a `ResourceExhaustedError`: what it failed to
+    allocate, where (the first line of the message otherwise)."""
+    message = getattr(error, "message", None) or str(error)
+    found = re.search(r"OOM when allocating tensor with shape\[[^\]]*\]"
+                      r"[^\n]*?(?= by allocator|\n|$)", message)
+    if found:
+        return found.group(0).strip()
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+class _Tee(io.TextIOBase):
+    """Writes to a stream and keeps a copy."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream, self.parts = stream, []
+
+    def write(self, text):
+        self.parts.append(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def isatty(self):  # Keras draws a live progress bar on a terminal.
+        return self.stream.isatty()
+
+
+class AutoMicroBatchLog(keras.callbacks.Callback):
+    """Records, per train step, what `micro_batch_size="auto"` printed (with
+    `fit(verbose>0)`) and the peak device memory of the train steps.
+
+    Use it as a callback, inside a `with` block around `fit()` (which
+    copies what is printed meanwhile):
+
+    ```python
+    log = AutoMicroBatchLog()
+    with log:
+        model.fit(..., callbacks=[log], verbose=2)
+    log.recoveries  # [{"epoch": 0, "batch": 7, "message": "Out of ..."}]
+    ```
+
+    Attributes:
+        recoveries: one dict per train step that ran out of memory and was
+            rolled back (`epoch`, `batch` and the message).
+        choices: the same for the messages that say which micro-batch fit.
+        micro_batch_sizes: the micro-batch of each train step.
+        peak: int bytes, the largest peak of a train step (its device's
+            peak, reset by "auto" before every step), `None` if unknown.
+    """
+
+    PATTERNS = {
+        "recoveries": re.compile(r"Out of memory with micro-batches .*?\.(?=\s|$)"),
+        "choices": re.compile(r"Micro-batches of \d+ of the batch .*?\.(?=\s|$)"),
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.recoveries, self.choices, self.micro_batch_sizes = [], [], []
+        self.peak, self._epoch, self._tee, self._seen = None, 0, None, 0
+
+    def __enter__(self):
+        self._tee = _Tee(sys.stdout)
+        sys.stdout = self._tee
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout = self._tee.stream
+        self._read(None)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.micro_batch_sizes.append(self.model.micro_batch_size)
+        try:
+            peak = tf.config.experimental.get_memory_info(memory_device())
+        except (ValueError, RuntimeError):  # no allocator statistics
+            peak = None
+        if peak and peak["peak"]:
+            self.peak = max(self.peak or 0, peak["peak"])
+        self._read(batch)
+
+    def describe_recoveries(self):
+        """`"2 out-of-memory errors in 1 train step, each rolled back and
+        trained again"`, or that none happened."""
+        errors = len(self.recoveries)
+        steps = len({(r["epoch"], r["batch"]) for r in self.recoveries})
+        if not errors:
+            return "No train step ran out of memory"
+        return (f"{errors} out-of-memory error{'s' * (errors != 1)} in "
+                f"{steps} train step{'s' * (steps != 1)}, each rolled back "
+                "and trained again with smaller micro-batches")
+
+    def _read(self, batch):
+        if self._tee is None:
+            return
+        new = "".join(self._tee.parts[self._seen:])
+        self._seen = len(self._tee.parts)
+        for kind, pattern in self.PATTERNS.items():
+            for message in pattern.findall(new):
+                getattr(self, kind).append(
+                    {"epoch": self._epoch, "batch": batch, "message": message})

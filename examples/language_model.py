@@ -46,6 +46,23 @@ repeated rows Keras' Adam squares one by one in its second moment, so a plain
    same weights in the same data order, and records the validation loss
    after every update.
 
+## Training in small memory
+
+With `--memory-limit-mb 48` the script does something else: it trains one
+model with `micro_batch_size="auto"` on batches of 256 sequences that a
+`tf.data` pipeline groups by length (`bucket_by_sequence_length`: buckets of
+16, 32 and 64 tokens), each batch one update, in a device of 48 MiB (on a
+CPU the script runs itself again with TensorFlow's CPU allocator limited;
+on a GPU it makes a logical device). The model takes sequences of any
+length (`keras.Input((None,))`), so every bucket is an input shape of its
+own, and "auto" chooses a micro-batch per shape: the first batch, of short
+sequences, fits whole; a bucket that comes later starts from that size
+scaled by the tokens per row. Attention's memory grows with the square of
+the length, so for the longest bucket that guess is too big: the step runs
+out of memory in the middle of the epoch, is rolled back, and the same
+batch is trained again with micro-batches half as large. The run prints
+`fit()`'s messages, the steps that were trained again and the peak memory.
+
 ## Running it
 
 ```
@@ -53,11 +70,13 @@ python examples/language_model.py
 python examples/language_model.py --batch-size 4 --gradient-accumulation-steps 8
 python examples/language_model.py --min-length 64   # equal lengths
 python examples/language_model.py --smoke           # tiny, a few seconds
+python examples/language_model.py --memory-limit-mb 48   # bucketed, 48 MiB
 ```
 
 It writes `language_model.png` (validation loss per update, and its distance
 to the big batch's) and `language_model.json` to `--output-dir`. The default
-run takes a minute or so on a two-core CPU.
+run takes a minute or so on a two-core CPU. With `--memory-limit-mb` it
+writes `language_model_memory.json` instead (less than a minute).
 """
 
 import contextlib
@@ -187,8 +206,13 @@ def transformer_block(x, dim, heads):
 
 
 def build_model(way, args, vocab_size):
-    """The same layers for every way; `keras_accum` accumulates in the model."""
-    tokens = keras.Input((args.max_length,), dtype="int32", name="tokens")
+    """The same layers for every way; `keras_accum` accumulates in the model.
+
+    `way="auto"`: sequences of any length up to `max_length`, each batch
+    split into micro-batches that fit (`micro_batch_size="auto"`).
+    """
+    length = None if way == "auto" else args.max_length
+    tokens = keras.Input((length,), dtype="int32", name="tokens")
     embedding = TokenAndPositionEmbedding(
         vocab_size, args.max_length, args.embedding_dim)
     x = embedding(tokens)
@@ -198,6 +222,10 @@ def build_model(way, args, vocab_size):
     if way == "keras_accum":
         return keras_accum.GradientAccumulationModel(
             tokens, logits, gradient_accumulation_steps=args.steps)
+    if way == "auto":
+        return keras_accum.GradientAccumulationModel(
+            tokens, logits, gradient_accumulation_steps=args.steps,
+            micro_batch_size="auto")
     return keras.Model(tokens, logits)
 
 
@@ -318,10 +346,115 @@ def train(way, args, vocab_size, initial, train_tokens, val_tokens):
     }
 
 
+# ---------------------------------------------------------------------------
+# Training in small memory (--memory-limit-mb)
+# ---------------------------------------------------------------------------
+
+BUCKETS = (16, 32, 64)  # Input lengths the batches are padded to.
+MEMORY_VAL_BATCH = 32  # Evaluation does not split its batches.
+
+
+def bucketed_dataset(tokens, batch_size, seed, shuffle=True):
+    """Batches of sequences of about the same length, padded to the length
+    of their bucket (16, 32 or 64 inputs): a shape `(None, None)` pipeline.
+
+    `tokens`: `(num_sequences, max_length + 1)` ids, padded with PAD.
+    """
+    ds = tf.data.Dataset.from_tensor_slices(tokens)
+    # Padding follows the real tokens (BOS and the words): cut it off.
+    ds = ds.map(lambda t: t[: tf.math.count_nonzero(t != PAD, dtype="int32")])
+    if shuffle:
+        ds = ds.shuffle(len(tokens), seed=seed, reshuffle_each_iteration=True)
+    # n words are n + 1 tokens, trained on as n inputs and n targets: a
+    # bucket of up to b inputs holds up to b + 1 tokens (boundaries are
+    # exclusive), and is padded to b + 1.
+    ds = ds.bucket_by_sequence_length(
+        element_length_func=lambda t: tf.shape(t)[0],
+        bucket_boundaries=[b + 2 for b in BUCKETS],
+        bucket_batch_sizes=[batch_size] * (len(BUCKETS) + 1),
+        padding_values=PAD,
+        pad_to_bucket_boundary=True,
+    )
+    return ds.map(inputs_and_targets, num_parallel_calls=AUTOTUNE).prefetch(
+        AUTOTUNE)
+
+
+def with_length(ds, batches):
+    """`ds`, which Keras otherwise sees as of unknown length."""
+    return ds.apply(tf.data.experimental.assert_cardinality(batches))
+
+
+def train_in_small_memory(args, vocabulary, train_tokens, val_tokens):
+    """One model, `micro_batch_size="auto"`, on the bucketed batches."""
+    if args.max_length > BUCKETS[-1]:
+        raise ValueError(f"`--max-length` must be at most {BUCKETS[-1]} "
+                         "with `--memory-limit-mb` (the longest bucket). "
+                         f"Received: max_length={args.max_length}")
+    model = build_model("auto", args, len(vocabulary))
+    compile_model(model, "auto", args)
+    # A pipeline of its own shows the first epoch's batches (the same seed
+    # gives the same first order); their number tells `fit()` the length
+    # of the epoch (as many in every epoch: the buckets hold the same
+    # sequences).
+    shapes = [tuple(x.shape) for x, _ in bucketed_dataset(
+        train_tokens, args.batch_size, args.seed)]
+    print(f"Batches of the first epoch (rows, length): {shapes}")
+    train_ds = with_length(
+        bucketed_dataset(train_tokens, args.batch_size, args.seed),
+        len(shapes))
+    val_ds = bucketed_dataset(val_tokens, MEMORY_VAL_BATCH, args.seed,
+                              shuffle=False)
+    val_ds = with_length(val_ds, int(val_ds.reduce(0, lambda n, _: n + 1)))
+    log = utils.AutoMicroBatchLog()
+    start = time.perf_counter()
+    with log:
+        history = model.fit(
+            train_ds, epochs=args.epochs, callbacks=[log],
+            validation_data=val_ds,
+            verbose=args.verbose or 2, shuffle=False,
+        ).history
+    seconds = time.perf_counter() - start
+    peak = log.peak / 2**20 if log.peak else None
+    print(log.describe_recoveries() + ":" * bool(log.recoveries)
+          + "".join(f"\n  epoch {r['epoch'] + 1}, batch {r['batch'] + 1}: "
+                    f"{r['message']}" for r in log.recoveries)
+          + (f"\nPeak of the train steps: {peak:,.0f} MiB of the "
+             f"{args.memory_limit_mb:,} MiB limit." if peak else ""))
+    return {
+        "limit_mib": args.memory_limit_mb,
+        "batch_size": args.batch_size,
+        "buckets": list(BUCKETS),
+        "first_epoch_batches": [list(shape) for shape in shapes],
+        "recoveries": log.recoveries,
+        "choices": log.choices,
+        "micro_batch_sizes": log.micro_batch_sizes,
+        "peak_mib": peak,
+        "updates": int(model.optimizer.iterations.numpy()),
+        "loss_per_epoch": [float(v) for v in history["loss"]],
+        "val_loss_per_epoch": [float(v) for v in history["val_loss"]],
+        "train_seconds": seconds,
+    }
+
+
+def result_of_child(args, code):
+    """What `main()` returns, read from the JSON of a run in a child."""
+    if code:
+        raise SystemExit(code)
+    path = os.path.join(args.output_dir, "language_model_memory.json")
+    with open(path) as f:
+        return {**json.load(f), "json": path}
+
+
 def main(argv=None):
     start = time.perf_counter()
     parser = lm_utils.build_parser(utils.docstring_title(__doc__))
     args = lm_utils.resolve(parser.parse_args(argv))
+    if args.memory_limit_mb:
+        # On a CPU the limit must be set before TensorFlow starts: then the
+        # run happens in a child process.
+        code = utils.limit_device_memory(args.memory_limit_mb, __file__, argv)
+        if code is not None:
+            return result_of_child(args, code)
     os.makedirs(args.output_dir, exist_ok=True)
     keras.utils.set_random_seed(args.seed)
 
@@ -333,9 +466,22 @@ def main(argv=None):
     first = words[: args.steps * args.batch_size].reshape(args.steps, -1)
     print(f"{len(vocabulary)} tokens in the vocabulary, {len(words)} training "
           f"sequences of {words.min()} to {words.max()} words (mean "
-          f"{words.mean():.1f}), e.g. \"{' '.join(corpus[0][:12])} ...\"\n"
-          f"Real tokens in the first window's micro-batches: "
-          f"{first.sum(axis=1).tolist()}")
+          f"{words.mean():.1f}), e.g. \"{' '.join(corpus[0][:12])} ...\"")
+
+    if not args.memory_limit_mb:
+        print("Real tokens in the first window's micro-batches: "
+              f"{first.sum(axis=1).tolist()}")
+    else:
+        results = {**train_in_small_memory(args, vocabulary, train_tokens,
+                                           val_tokens),
+                   "args": vars(args),
+                   "wall_time_s": time.perf_counter() - start}
+        numbers = os.path.join(args.output_dir, "language_model_memory.json")
+        with open(numbers, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"Wrote numbers: {numbers}\n"
+              f"Wall time: {results['wall_time_s']:.1f} s")
+        return {**results, "json": numbers}
 
     # Every way, in both checks, starts from these weights.
     initial = build_model("big_batch", args, len(vocabulary)).get_weights()

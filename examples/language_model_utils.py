@@ -18,6 +18,18 @@ DEFAULTS = dict(batch_size=8, steps=4, epochs=4, num_sequences=512,
 SMOKE = dict(batch_size=4, steps=2, epochs=1, num_sequences=32, max_length=32,
              run_eagerly=True, val_sequences=16, embedding_dim=16,
              num_heads=2, num_blocks=1)
+# `--memory-limit-mb`: one update per batch of 256 sequences, bucketed by
+# length; 8 heads, so that attention (quadratic in the length) is a large
+# part of the memory of the long buckets.
+MEMORY = dict(batch_size=256, steps=1, epochs=2, num_sequences=2048,
+              val_sequences=256, num_heads=8, run_eagerly=False)
+# `--memory-limit-mb` with `--smoke`: 3 batches' worth of sequences, one
+# block, trained in graphs ("auto" needs them). In 26 MiB (the tests') a
+# batch of 256 sequences of 16 tokens fits whole and a quarter of a batch of
+# 64 tokens does not.
+MEMORY_SMOKE = dict(batch_size=256, epochs=1, num_sequences=768,
+                    val_sequences=64, max_length=64, embedding_dim=32,
+                    num_blocks=1, run_eagerly=False)
 
 
 def build_parser(description):
@@ -47,23 +59,39 @@ def build_parser(description):
                         help="Train without tracing graphs (default: only "
                         "with --smoke).")
     parser.add_argument("--verbose", type=int, default=0, choices=[0, 1, 2],
-                        help="Keras fit verbosity (default: 0).")
+                        help="Keras fit verbosity (default: 0; 2 with "
+                        "--memory-limit-mb).")
+    parser.add_argument(
+        "--memory-limit-mb", type=int,
+        help="Instead of the comparison: train on batches bucketed by "
+        "length with micro_batch_size='auto' in a device of this many MiB "
+        "(a logical GPU, or a CPU limit). Changes the defaults to "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in MEMORY.items()
+                   if k not in ("steps", "run_eagerly"))
+        + " (one update per batch).")
     return parser
 
 
 def resolve(args):
-    """Fills unset settings from DEFAULTS (and SMOKE), and checks them."""
-    for key, value in {**DEFAULTS, **(SMOKE if args.smoke else {})}.items():
+    """Fills unset settings from DEFAULTS (and SMOKE, MEMORY), and checks
+    them."""
+    memory = getattr(args, "memory_limit_mb", None)
+    settings = {**DEFAULTS, **(SMOKE if args.smoke else {})}
+    if memory:
+        settings.update(MEMORY, **(MEMORY_SMOKE if args.smoke else {}))
+    for key, value in settings.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     for key in ["batch_size", "epochs", "num_sequences", "min_length"]:
         if getattr(args, key) < 1:
             raise ValueError(f"`--{key.replace('_', '-')}` must be a positive "
                              f"integer. Received: {key}={getattr(args, key)}")
-    if args.steps < 2:
-        raise ValueError("`--gradient-accumulation-steps` must be at least 2 "
-                         "(the built-in option's minimum). Received: "
-                         f"gradient_accumulation_steps={args.steps}")
+    least = 1 if memory else 2
+    if args.steps < least:
+        raise ValueError("`--gradient-accumulation-steps` must be at least "
+                         f"{least}"
+                         + ("" if memory else " (the built-in option's minimum)")
+                         + f". Received: gradient_accumulation_steps={args.steps}")
     if args.max_length < args.min_length:
         raise ValueError("`--max-length` must be at least `--min-length`. "
                          f"Received: min_length={args.min_length}, "

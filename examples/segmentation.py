@@ -43,6 +43,30 @@ stays exact. The model has no dropout either: its random masks would differ
 between micro-batches and big batch, and the two runs would only agree on
 average, not update for update.
 
+## Training in small memory
+
+`micro_batch_size="auto"` takes the opposite view of the same tool: choose
+the batch each update should train on, and let the model find how many
+images of it fit in the device at once. Every train step splits its batch
+into micro-batches as large as the memory holds and accumulates them, so the
+update is the one of the whole batch. The first batch is tried whole; a step
+that runs out of memory (`ResourceExhaustedError`) is rolled back, its
+micro-batch halved and the same batch trained again. After training,
+`model.micro_batch_size` reads the size that was chosen.
+
+`--memory-limit-mb 1024` shows it on a device of 1 GiB. On a GPU the script
+makes a logical device of that size; on a CPU it runs itself again with
+TensorFlow's CPU allocator limited to it (`TF_CPU_ALLOCATOR_USE_BFC=true`,
+`TF_CPU_BFC_MEM_LIMIT_IN_MB=1024`, and `TF_ENABLE_ONEDNN_OPTS=0`, since
+oneDNN's kernels crash at the limit instead of raising). It trains on the
+full 64x64 images, on batches of 256 (one update each). Without a limit a
+plain `keras.Model` peaks at about 1.5 GiB on such a batch, so the script
+first lets one try and prints its out-of-memory error; then it trains with
+`micro_batch_size="auto"`, which runs out of memory with the whole batch,
+is rolled back and trains it in micro-batches of at most 128, and prints
+the micro-batches of the last epoch and the peak memory against the limit.
+The validation batches are smaller (32): evaluation does not split them.
+
 ## Running it
 
 ```
@@ -52,6 +76,7 @@ python examples/segmentation.py --image-size 64 --epochs 10   # full size
 python examples/segmentation.py --dataset oxford_iiit_pet --image-size 128 \
     --epochs 10 --mixed-precision mixed_float16          # on a GPU
 python examples/segmentation.py --smoke                 # tiny, a few steps
+python examples/segmentation.py --memory-limit-mb 1024  # batches of 256 in 1 GiB
 ```
 
 The default run trains for 6 epochs on micro-batches of 16 images with 2
@@ -66,9 +91,20 @@ The run writes, to `--output-dir`:
 * `predictions.png`: input, true mask and predicted mask for a few validation
   images;
 * `training_curves.png`: loss and mean IoU per epoch, train and validation;
-* `metrics.json`: the final numbers and the settings used.
+* `metrics.json`: the final numbers and the settings used (with
+  `--memory-limit-mb`, also the plain model's error, the micro-batch chosen
+  and the peak memory).
+
+With `--memory-limit-mb 1024` the run takes two to three minutes on a
+two-core CPU: 2 epochs of 4 updates on batches of 256 images, to a
+validation mean IoU of about 0.4 (the point is the memory: 8 updates are
+few). Every out-of-memory error costs about 10 seconds there: TensorFlow's
+allocator waits that long for memory to be freed before it gives up.
 """
 
+import contextlib
+import gc
+import json
 import os
 import sys
 import time
@@ -133,13 +169,14 @@ def _normalise(image, mask):
     return tf.cast(image, tf.float32) / 255.0, mask
 
 
-def load_datasets(args, global_batch_size):
+def load_datasets(args, global_batch_size, val_batch_size=None):
     """Loads train/validation splits as batched, prefetched `tf.data` pipelines.
 
     Preprocessed examples are cached in memory, then shuffled with a fixed seed
     *before* batching, so runs with different batch sizes see the examples in
     the same order: a batch of `N * B` is exactly the concatenation of the next
-    `N` micro-batches of `B`.
+    `N` micro-batches of `B`. Validation batches hold `val_batch_size`
+    examples (default: `global_batch_size`).
     """
     train, val = tfds.load(
         tfds_name(args.dataset, args.smoke),
@@ -156,7 +193,9 @@ def load_datasets(args, global_batch_size):
         if training:
             ds = ds.shuffle(2048, seed=args.seed, reshuffle_each_iteration=True)
         ds = ds.map(_normalise, num_parallel_calls=AUTOTUNE)
-        ds = ds.batch(global_batch_size)
+        ds = ds.batch(
+            global_batch_size if training else
+            (val_batch_size or global_batch_size))
         options = tf.data.Options()
         # Examples are split across workers by index, not by file.
         options.experimental_distribute.auto_shard_policy = (
@@ -212,7 +251,8 @@ def unet_layers(image_size, num_classes, width=16, depth=3):
 
 
 def build_model(args, num_classes):
-    """The U-Net as a `GradientAccumulationModel`."""
+    """The U-Net as a `GradientAccumulationModel`; with `--memory-limit-mb`,
+    each train step splits its batch into micro-batches that fit."""
     inputs, logits = unet_layers(
         args.image_size, num_classes, width=args.width, depth=args.depth
     )
@@ -220,6 +260,9 @@ def build_model(args, num_classes):
         inputs,
         logits,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
+        micro_batch_size=(
+            "auto" if getattr(args, "memory_limit_mb", None) else None
+        ),
         name="unet",
     )
 
@@ -264,14 +307,143 @@ def make_iou_metric(num_classes):
 
 
 # ---------------------------------------------------------------------------
+# Training in small memory (--memory-limit-mb)
+# ---------------------------------------------------------------------------
+
+# `--memory-limit-mb`: batches of 256 full-size (64x64) images, one update
+# each. Measured without a limit (TF's CPU tensor memory, a 2-core CPU): a
+# plain `keras.Model` peaks at 1,526 MiB on that batch; "auto" with
+# micro-batches of 128 at 909 MiB, of 64 at 541 MiB. Under a limit the CPU
+# kernels make do with less scratch memory (a plain batch of 192, 1,265 MiB
+# without a limit, once trained in 1,024 MiB), so the batch is well above
+# what fits: in 1024 MiB plain runs out of memory and "auto" trains it.
+MEMORY = {
+    "image_size": 64,
+    "batch_size": 256,
+    "gradient_accumulation_steps": 1,
+    "epochs": 2,
+}
+# `--memory-limit-mb` with `--smoke`: the smoke sizes on batches of 64. With
+# a limit of 72 MiB (the tests') plain runs out and micro-batches of 32 fit.
+# (Below about 50 MiB nothing fits: on a CPU the backward pass of a
+# convolution takes a 20 MiB scratch buffer whatever the batch.)
+MEMORY_SMOKE = {"batch_size": 64, "gradient_accumulation_steps": 1,
+                "epochs": 1, "max_samples": 64}
+# Validation batches under a limit: evaluation does not split its batches.
+MEMORY_VAL_BATCH = 32
+MIB = 2**20
+
+
+def try_plain_model(args, num_classes, train_ds, batch, strategy):
+    """Trains one batch of `batch` images with a plain `keras.Model`.
+
+    Returns:
+        dict: `plain_batch`, `plain_out_of_memory` and the one-line error
+        (or, if the batch fitted, the peak memory of the step).
+    """
+    with strategy.scope():
+        inputs, logits = unet_layers(
+            args.image_size, num_classes, width=args.width, depth=args.depth
+        )
+        plain = keras.Model(inputs, logits, name="plain_unet")
+        compile_model(
+            plain, args, num_classes, keras.optimizers.Adam(args.learning_rate)
+        )
+    result = {"plain_batch": batch, "plain_out_of_memory": False}
+    device = utils.memory_device()
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+        plain.fit(train_ds.unbatch().batch(batch).take(1), verbose=0)
+        peak = tf.config.experimental.get_memory_info(device)["peak"]
+        result["plain_peak_mib"] = peak / MIB
+    except tf.errors.ResourceExhaustedError as error:
+        result.update(plain_out_of_memory=True,
+                      plain_error=utils.out_of_memory_line(error))
+    del plain
+    gc.collect()
+    return result
+
+
+def describe_plain(memory):
+    """One line: how the plain model's batch went under the limit."""
+    limit = f"{memory['limit_mib']:,} MiB"
+    if memory["plain_out_of_memory"]:
+        return (f"Plain keras.Model, batch {memory['plain_batch']}: out of "
+                f"memory in {limit} ({memory['plain_error']}).")
+    return (f"Plain keras.Model, batch {memory['plain_batch']}: fits in "
+            f"{limit} (peak {memory['plain_peak_mib']:,.0f} MiB); a smaller "
+            "--memory-limit-mb makes it run out.")
+
+
+def describe_auto(memory, log):
+    """One line: the micro-batches "auto" trained the last epoch's batches
+    in, and the peak."""
+    full = sorted({size for size, rows in memory["last_epoch"]
+                   if rows == memory["batch"]}, reverse=True)
+    short = [(size, rows) for size, rows in memory["last_epoch"]
+             if rows != memory["batch"]]
+    line = (f"micro_batch_size='auto' trained the batches of {memory['batch']}"
+            f" in micro-batches of {' or '.join(map(str, full)) or '-'}")
+    for size, rows in short:
+        line += f" (the short last batch of {rows}: {size})"
+    if memory["peak_mib"]:
+        line += (f", peak {memory['peak_mib']:,.0f} MiB of the "
+                 f"{memory['limit_mib']:,} MiB limit")
+    text = log.describe_recoveries()
+    return f"{line}; {text[0].lower()}{text[1:]}."
+
+
+def result_of_child(args, code):
+    """What `main()` returns, read from the files of a run in a child."""
+    if code:
+        raise SystemExit(code)
+    paths = {
+        name: os.path.join(args.output_dir, file) for name, file in [
+            ("predictions", "predictions.png"),
+            ("training_curves", "training_curves.png"),
+            ("metrics", "metrics.json")]
+    }
+    with open(paths["metrics"]) as f:
+        results = json.load(f)
+    return {**results, "paths": paths, "history": results["history"]}
+
+
+# ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
 
 
+def build_parser():
+    parser = utils.build_parser(utils.docstring_title(__doc__))
+    parser.add_argument(
+        "--memory-limit-mb",
+        type=int,
+        help="Train in a device of this many MiB (a logical GPU, or a CPU "
+        "limit): a plain keras.Model tries the batch first, then "
+        "micro_batch_size='auto' trains it. Changes the defaults to "
+        f"--image-size {MEMORY['image_size']} --batch-size "
+        f"{MEMORY['batch_size']} --gradient-accumulation-steps "
+        f"{MEMORY['gradient_accumulation_steps']} --epochs "
+        f"{MEMORY['epochs']}; --verbose 0 becomes 2 (the choices are "
+        "printed).",
+    )
+    return parser
+
+
 def main(argv=None):
     start = time.perf_counter()
-    parser = utils.build_parser(utils.docstring_title(__doc__))
-    args = utils.resolve_settings(parser.parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.memory_limit_mb:
+        # On a CPU the limit must be set before TensorFlow starts: then the
+        # run happens in a child process.
+        code = utils.limit_device_memory(args.memory_limit_mb, __file__, argv)
+        if code is not None:
+            return result_of_child(args, code)
+        args = utils.resolve_settings(
+            args, {**utils.DEFAULTS, **MEMORY}, {**utils.SMOKE, **MEMORY_SMOKE}
+        )
+    else:
+        args = utils.resolve_settings(args)
     strategy = utils.make_strategy(args.strategy)  # Before any other TF op.
     keras.utils.set_random_seed(args.seed)
     if args.mixed_precision != "none":
@@ -281,17 +453,30 @@ def main(argv=None):
     num_classes = len(class_names)
     replicas = strategy.num_replicas_in_sync
     global_batch = args.batch_size * replicas
+    effective_batch = global_batch * args.gradient_accumulation_steps
 
     # Data: TFDS generates `synthetic_shapes` on first use (a few seconds).
-    train_ds, val_ds = load_datasets(args, global_batch)
+    train_ds, val_ds = load_datasets(
+        args, global_batch,
+        min(global_batch, MEMORY_VAL_BATCH) if args.memory_limit_mb else None,
+    )
     steps_per_epoch = utils.count_batches(train_ds)
     updates_per_epoch = -(-steps_per_epoch // args.gradient_accumulation_steps)
+    unit = "batches" if args.memory_limit_mb else "micro-batches"
     print(
-        f"{args.dataset}: {steps_per_epoch} micro-batches of {global_batch} "
+        f"{args.dataset}: {steps_per_epoch} {unit} of {global_batch} "
         f"per epoch, {args.gradient_accumulation_steps} per update -> "
-        f"effective batch {global_batch * args.gradient_accumulation_steps}, "
+        f"effective batch {effective_batch}, "
         f"{updates_per_epoch} updates per epoch, {replicas} replica(s)."
     )
+
+    memory = None
+    if args.memory_limit_mb:
+        # First what the limit means for plain Keras at the effective batch.
+        memory = {"limit_mib": args.memory_limit_mb, **try_plain_model(
+            args, num_classes, train_ds, effective_batch, strategy)}
+        print(describe_plain(memory), flush=True)
+        keras.utils.set_random_seed(args.seed)  # The same initial weights.
 
     # Model, optimizer, loss and metric are created under the strategy scope.
     with strategy.scope():
@@ -299,13 +484,17 @@ def main(argv=None):
         optimizer = make_optimizer(args, updates_per_epoch)
         compile_model(model, args, num_classes, optimizer)
 
-    history = model.fit(
-        train_ds,
-        validation_data=val_ds,
-        epochs=args.epochs,
-        shuffle=False,  # The tf.data pipeline shuffles (with a fixed seed).
-        verbose=args.verbose,
-    ).history
+    # With a limit: what "auto" prints, and the peak of the train steps.
+    log = utils.AutoMicroBatchLog() if memory else None
+    with log or contextlib.nullcontext():
+        history = model.fit(
+            train_ds,
+            validation_data=val_ds,
+            epochs=args.epochs,
+            shuffle=False,  # The tf.data pipeline shuffles (with a fixed seed).
+            callbacks=[log] if log else None,
+            verbose=(args.verbose or 2) if memory else args.verbose,
+        ).history
 
     results = {
         "val_mean_iou": float(history["val_mean_iou"][-1]),
@@ -314,10 +503,25 @@ def main(argv=None):
         "optimizer_updates": int(model.optimizer.iterations.numpy()),
         "wall_time_s": time.perf_counter() - start,
     }
+    title = (f"U-Net on {args.dataset}, batch {global_batch} x "
+             f"{args.gradient_accumulation_steps} accumulation steps")
+    if memory:
+        # The micro-batch of each step of the last epoch, next to its rows.
+        rows = [int(n) for n in train_ds.map(
+            lambda x, y: tf.shape(x)[0]).as_numpy_iterator()]
+        memory.update(
+            batch=global_batch,
+            micro_batch_size=model.micro_batch_size,
+            last_epoch=list(zip(log.micro_batch_sizes[-len(rows):], rows)),
+            peak_mib=log.peak / MIB if log.peak else None,
+            recoveries=log.recoveries,
+            choices=log.choices,
+        )
+        results["memory"] = memory
+        title += f", 'auto' micro-batches in {args.memory_limit_mb:,} MiB"
+        print(describe_auto(memory, log))
     paths = utils.write_outputs(
-        model, history, val_ds, class_names, args.output_dir,
-        f"U-Net on {args.dataset}, batch {global_batch} x "
-        f"{args.gradient_accumulation_steps} accumulation steps",
+        model, history, val_ds, class_names, args.output_dir, title,
         results, args,
     )
     print(f"Final validation mean IoU: {results['val_mean_iou']:.4f}")

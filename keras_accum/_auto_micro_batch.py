@@ -2,6 +2,7 @@
 shape, and a train step that runs out of memory rolled back and trained
 again with half the micro-batch (docs/design.md, "Training in small memory")."""
 
+import gc
 import math
 import os
 import warnings
@@ -189,12 +190,14 @@ class AutoMicroBatch:
         self.size = None
         self._sizes = {}  # signature -> [size to try, smallest that failed]
         self._functions = {}
+        self._said = {}  # signature -> the size last reported
         self._checked = False
 
     def reset(self):
         """Forgets the traced functions and the sizes (after a retrace)."""
         self._sizes.clear()
         self._functions.clear()
+        self._said.clear()
 
     def train_function(self, make_function):
         """A train function of an iterator, as Keras' own.
@@ -236,24 +239,32 @@ class AutoMicroBatch:
             self._sizes[signature] = [self._first_size(signature, rows), None]
         state = self._sizes[signature]
         size = min(state[0], rows)
+        failed = False
         while True:
             saved = self.rollback.take()
             self.memory.reset_peak()
             try:
                 logs = self._function(size, make_function)(iter([data]))
                 break
-            except tf.errors.ResourceExhaustedError as error:
+            except (tf.errors.ResourceExhaustedError,
+                    tf.errors.InvalidArgumentError) as error:
+                if not _out_of_memory(error):
+                    raise
                 self.rollback.restore(saved)
+                # The failed size's function holds memory (constants).
+                self._functions.pop(size, None)
+                gc.collect()
                 state[1] = size if state[1] is None else min(state[1], size)
                 size = self._halved(size, rows, data, error)
+                failed = True
         self.size = size
-        bigger = min(rows, 2 * size)
-        if bigger > size and (state[1] is None or bigger < state[1]):
-            state[0] = bigger  # the next batch of this shape tries it
-        elif state[0] != size or state[1] is not None or size == rows:
-            if state[0] != size or not getattr(self, "_said", {}).get(signature):
-                self._say_chosen(size, rows, signature)
+        if failed or size == state[0]:
+            # A batch shorter than the size says nothing about it.
             state[0] = size
+            if rows > size and (state[1] is None or 2 * size < state[1]):
+                state[0] = 2 * size  # the next batch of this shape tries it
+            else:
+                self._say_chosen(size, rows, signature)
         return logs
 
     def _halved(self, size, rows, data, error):
@@ -282,10 +293,9 @@ class AutoMicroBatch:
         return halved
 
     def _say_chosen(self, size, rows, signature):
-        said = self.__dict__.setdefault("_said", {})
-        if said.get(signature) == size:
+        if self._said.get(signature) == size:
             return
-        said[signature] = size
+        self._said[signature] = size
         if not self.verbose:
             return
         replicas = self.model.distribute_strategy.num_replicas_in_sync
@@ -303,6 +313,15 @@ class AutoMicroBatch:
         if peak:
             line += f" (peak {_mib(peak)})"
         print(line + ".")
+
+
+def _out_of_memory(error):
+    """Whether `error` is an allocation that failed: a
+    `ResourceExhaustedError`, or a constant of a traced step too large to
+    allocate, which TensorFlow reports as a tensor it cannot parse."""
+    return isinstance(error, tf.errors.ResourceExhaustedError) or (
+        "Cannot parse tensor from proto" in (error.message or "")
+    )
 
 
 def _fetch(iterator, count):

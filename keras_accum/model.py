@@ -1,6 +1,7 @@
 """`GradientAccumulationModel`: a `keras.Model` that trains with accumulation."""
 
 import functools
+import numbers
 import warnings
 
 import keras
@@ -60,7 +61,11 @@ def _validate_micro_batch_size(value):
     """`None`, `"auto"`, or an int >= 1; raises otherwise."""
     if value is None or (isinstance(value, str) and value == "auto"):
         return value
-    if isinstance(value, str):
+    if (
+        isinstance(value, (bool, str))
+        or not isinstance(value, numbers.Integral)
+        or value < 1
+    ):
         raise ValueError(
             "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
             f"Received: micro_batch_size={value!r}"

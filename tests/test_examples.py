@@ -3,12 +3,14 @@
 Every example's `main()` runs end to end with `--smoke` (tiny images, a few
 steps) into a temporary output directory. Nothing is downloaded:
 `synthetic_shapes` is generated locally and `oxford_iiit_pet` is replaced by
-`tfds.testing.mock_data`.
+`tfds.testing.mock_data`. The small-memory run (`--memory-limit-mb`) runs
+in a child process, with a CPU memory limit set before TensorFlow starts.
 """
 
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -242,3 +244,47 @@ def test_compare_accumulation_smoke(data_dir, tmp_path):
     assert summary["initial_weights_max_difference"] == 0.0
     assert summary["update_difference"] < 1e-3
     assert "| batch 4 x 2 accumulation |" in summary["table"]
+
+
+# ---------------------------------------------------------------------------
+# segmentation.py --memory-limit-mb
+# ---------------------------------------------------------------------------
+
+
+def _limited_cpu_env(limit_mb):
+    """A child's environment with a CPU memory limit (and no GPU: the sizes
+    in the tests are measured on a CPU)."""
+    import example_utils
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(example_utils.cpu_limit_environment(limit_mb))
+    return env
+
+
+def test_segmentation_memory_limit_smoke(data_dir, tmp_path):
+    # 72 MiB: a plain keras.Model runs out at the batch of 64 (about 90 MiB
+    # without a limit), micro-batches of 32 fit (about 60 MiB).
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "segmentation.py"),
+         "--smoke", "--memory-limit-mb", "72", "--data-dir", data_dir,
+         "--output-dir", str(tmp_path), "--verbose", "0"],
+        env=_limited_cpu_env(72), capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Running again" not in proc.stdout  # The limit was in place.
+    with open(tmp_path / "metrics.json") as f:
+        results = json.load(f)
+    memory = results["memory"]
+    assert memory["plain_batch"] == 64
+    assert memory["plain_out_of_memory"], memory
+    assert "OOM when allocating" in memory["plain_error"]
+    assert "Plain keras.Model, batch 64: out of memory" in proc.stdout
+    # "auto" ran out with the whole batch, was rolled back and trained the
+    # batch in smaller micro-batches, within the limit.
+    assert memory["recoveries"], memory
+    assert memory["micro_batch_size"] < 64
+    assert all(size < rows for size, rows in memory["last_epoch"])
+    assert memory["peak_mib"] <= 72
+    assert results["optimizer_updates"] == 1  # 64 examples, batches of 64.
+    assert math.isfinite(results["val_loss"])
+    assert_png(tmp_path / "predictions.png")

@@ -285,7 +285,7 @@ def test_one_traced_loop_whatever_the_batch(float64):
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "8"])
 def test_invalid_micro_batch_size(value):
-    with pytest.raises(ValueError, match="`micro_batch_size` must be an integer >= 1. Received: micro_batch_size="):
+    with pytest.raises(ValueError, match="`micro_batch_size` must be an integer >= 1, 'auto' or None. Received: micro_batch_size="):
         keras_accum.GradientAccumulationModel(
             *dense_net(), micro_batch_size=value
         )

@@ -4,11 +4,14 @@ Its `main()` runs end to end with `--smoke` (tiny corpus and model) into a
 temporary output directory, and its first-window check shows the point of
 the example: with a padding-masked loss, keras_accum's update equals the big
 batch's in float64, and the optimizer's built-in accumulation does not.
+With `--memory-limit-mb` (in a child process with a CPU memory limit), a
+bucketed run recovers from running out of memory in the middle of an epoch.
 """
 
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +21,7 @@ EXAMPLES = os.path.join(
 )
 sys.path.insert(0, EXAMPLES)
 
+import example_utils  # noqa: E402
 import language_model  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -70,3 +74,33 @@ def test_language_model_smoke(tmp_path):
 def test_language_model_rejects_bad_flags(flags, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         language_model.main(["--smoke", "--output-dir", str(tmp_path), *flags])
+
+
+def test_language_model_memory_limit_recovers_mid_epoch(tmp_path):
+    # In 26 MiB (a CPU limit, set before TensorFlow starts: a child process)
+    # a batch of 256 sequences of 16 tokens fits whole, and the micro-batch
+    # "auto" guesses for the longer buckets from it runs out of memory:
+    # attention's memory grows with the square of the length.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(example_utils.cpu_limit_environment(26))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "language_model.py"),
+         "--smoke", "--memory-limit-mb", "26", "--output-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "language_model_memory.json") as f:
+        numbers = json.load(f)
+    batches = numbers["first_epoch_batches"]
+    assert batches[0] == [256, 16]  # The first batch: short sequences.
+    assert {length for _, length in batches} == {16, 32, 64}
+    recoveries = numbers["recoveries"]
+    assert recoveries, proc.stdout
+    # Recovered after the first batch, in the middle of the epoch.
+    assert all(r["batch"] > 0 and r["epoch"] == 0 for r in recoveries)
+    assert "Out of memory with micro-batches" in recoveries[0]["message"]
+    # Training went on to the end: one update per batch.
+    assert numbers["updates"] == len(batches)
+    assert all(math.isfinite(v) for v in numbers["loss_per_epoch"])
+    assert all(math.isfinite(v) for v in numbers["val_loss_per_epoch"])
+    assert numbers["peak_mib"] <= 26
