@@ -4,8 +4,33 @@ out and before callbacks see an epoch's end, and the start line."""
 import keras
 import tensorflow as tf
 
+from keras_accum import _keras_compat as compat
 from keras_accum._auto_micro_batch import out_of_memory_hint
 from keras_accum.callbacks import BackupAndRestore
+
+
+class BatchSkip:
+    """Batches that the next train calls consume without training: how
+    `keras_accum.callbacks.BackupAndRestore` resumes in the middle of an
+    epoch (the model's `batch_skip`)."""
+
+    def __init__(self):
+        self.remaining = 0
+
+    def set(self, count):
+        """The next `count` batches are skipped (0: none)."""
+        self.remaining = int(count)
+
+    def take(self, iterator, steps_per_execution):
+        """Consumes what one train call would train on, if batches are to
+        be skipped; returns whether it did."""
+        if not self.remaining:
+            return False
+        count = min(steps_per_execution, self.remaining)
+        for _ in range(count):
+            getattr(iterator, "get_next", lambda: next(iterator))()
+        self.remaining -= count
+        return True
 
 
 def window_train_function(model, train_function):
@@ -14,11 +39,7 @@ def window_train_function(model, train_function):
 
     def window_train_function(iterator):
         try:
-            if model._batches_to_skip:
-                count = min(model.steps_per_execution, model._batches_to_skip)
-                for _ in range(count):
-                    getattr(iterator, "get_next", lambda: next(iterator))()
-                model._batches_to_skip -= count
+            if model.batch_skip.take(iterator, model.steps_per_execution):
                 return model.get_metrics_result()
             return train_function(iterator)
         except tf.errors.ResourceExhaustedError as error:
@@ -28,7 +49,7 @@ def window_train_function(model, train_function):
         except (StopIteration, tf.errors.OutOfRangeError):
             # An epoch of unknown length ended: the window ends before
             # validation and the epoch's callbacks.
-            model._batches_to_skip = 0
+            model.batch_skip.set(0)
             if model.flush_at_epoch_end:
                 model.flush_gradients()
             raise
@@ -83,7 +104,8 @@ def _describe_window(model, batch, steps):
 
 def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
     """`callbacks` with the window's end first and last (our
-    `BackupAndRestore` right after the first)."""
+    `BackupAndRestore` right after the first), and a progress bar that
+    shows `updates` as an integer."""
     batch = _batch_size(x, (fit_kwargs or {}).get("batch_size"))
     first, last = [_WindowEnd(batch)], [_LastWindowEnd()]
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -96,6 +118,10 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
     callbacks = list(callbacks or [])
     backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
     rest = [c for c in callbacks if c not in backups]
+    if (fit_kwargs or {}).get("verbose", "auto") != 0 and not any(
+        isinstance(c, keras.callbacks.ProgbarLogger) for c in rest
+    ):
+        rest.append(compat.ProgbarLogger())
     return first + backups + rest + last
 
 

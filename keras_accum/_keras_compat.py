@@ -8,6 +8,7 @@ than training inexactly later.
 
 import contextlib
 import re
+import threading
 
 import keras
 import tensorflow as tf
@@ -17,12 +18,12 @@ _NEEDS = "keras_accum needs a Keras 3 with the TensorFlow backend whose"
 
 def _missing(what):
     return ImportError(
-        f"{_NEEDS} {what}; Keras {keras.__version__} has not. See the README's "
-        "'Compatibility' section for the tested versions."
+        f"{_NEEDS} {what}; Keras {keras.__version__} has not. See "
+        "docs/compatibility.md for the tested versions."
     )
 
 
-# The oldest Keras the tests pass on (see the README's "Tested versions").
+# The oldest Keras the tests pass on (docs/compatibility.md).
 MIN_KERAS = (3, 11)
 
 
@@ -46,7 +47,6 @@ try:
     from keras.src.models import model as model_module
     from keras.src.models.model import functional_init_arguments  # noqa: F401
     from keras.src.random import seed_generator as _seed_generator  # noqa: F401
-    from keras.src.saving import object_registration
     from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: F401
         unpack_x_y_sample_weight,
     )
@@ -67,8 +67,12 @@ for _module, _names in (
     ),
     (keras.Model, ("_compute_loss", "_symbolic_build", "_maybe_symbolic_build")),
     (model_module, ("inject_functional_model_class",)),
-    (object_registration, ("GLOBAL_CUSTOM_NAMES",)),
     (keras.layers.BatchNormalization, ("_moments",)),
+    (keras.optimizers.LossScaleOptimizer, ("_stateful_handle_non_finite_grads",)),
+    (
+        keras.callbacks.ProgbarLogger,
+        ("_maybe_init_progbar", "_update_progbar", "_finalize_progbar"),
+    ),
     (keras.layers.Layer, ("_flatten_layers",)),
 ):
     for _name in _names:
@@ -114,6 +118,72 @@ def set_initial_epoch(model, epoch):
     model._initial_epoch = epoch
 
 
+def shrink_loss_scale(optimizer):
+    """Halves a `LossScaleOptimizer`'s scale, as Keras does on overflow."""
+    optimizer._stateful_handle_non_finite_grads()
+    return tf.constant(True)
+
+
+def grow_loss_scale(optimizer):
+    """Counts one finite update of a `LossScaleOptimizer`; doubles its scale
+    after `dynamic_growth_steps` of them (Keras' rule, which has no method
+    of its own: it is inside `_stateful_handle_finite_grads`)."""
+
+    def upscale():
+        optimizer.step_counter.assign(0)
+        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+        return tf.constant(True)
+
+    def increment():
+        optimizer.step_counter.assign_add(1)
+        return tf.constant(False)
+
+    tf.cond(
+        tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
+        upscale,
+        increment,
+    )
+
+
+class _Count(float):
+    """A count that Keras' progress bar prints as an integer (it formats
+    every value as a float, `f"{value:.4f}"`, after dividing it by 1)."""
+
+    def __truediv__(self, other):
+        return _Count(float(self) / other)
+
+    def __format__(self, spec):
+        return str(self)
+
+    def __str__(self):
+        return str(int(self))
+
+    __repr__ = __str__
+
+
+class ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar, showing the `updates` count as an integer."""
+
+    def _maybe_init_progbar(self):
+        super()._maybe_init_progbar()
+        # Keras < 3.13 averages values not named stateful (shown as they
+        # are with `verbose=1`; `verbose=2` shows the last one).
+        if self.verbose == 1 and self.progbar.stateful_metrics is not None:
+            self.progbar.stateful_metrics.add("updates")
+
+    def _update_progbar(self, batch, logs=None):
+        super()._update_progbar(batch, _with_count(logs))
+
+    def _finalize_progbar(self, logs):
+        super()._finalize_progbar(_with_count(logs))
+
+
+def _with_count(logs):
+    if not logs or "updates" not in logs:
+        return logs
+    return dict(logs, updates=_Count(logs["updates"]))
+
+
 def in_multi_worker_mode(strategy):
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
@@ -133,28 +203,38 @@ def first_replica_batch(strategy, epoch_iterator):
     )
 
 
-def serialize_as(cls, registered_name):
-    """Has Keras save instances of `cls` under `registered_name`."""
-    object_registration.GLOBAL_CUSTOM_NAMES[cls] = registered_name
+# Instances whose `__init__` is running, per thread, with the class each
+# takes when a parent builds it functionally (`building_functionally`).
+_building = threading.local()
+_inject_functional_model_class = model_module.inject_functional_model_class
 
 
-@contextlib.contextmanager
-def functional_class_for(instance, functional_class):
-    """`instance` built functionally takes `functional_class(cls)`: Keras
-    rewrites no class (docs/design.md, "Every model class")."""
-    original = model_module.inject_functional_model_class
-
-    def inject(cls):
+def _inject(cls):
+    """Keras' `inject_functional_model_class`, which rewrites the bases of
+    every class of `cls`'s hierarchy; for an instance of ours being built,
+    the instance takes a subclass of its class and `Functional` instead."""
+    for instance, functional_class in reversed(getattr(_building, "stack", [])):
         if cls is type(instance) and not issubclass(cls, Functional):
             instance.__class__ = functional_class(cls)
             return instance.__class__
-        return original(cls)
+    return _inject_functional_model_class(cls)
 
-    model_module.inject_functional_model_class = inject
+
+# Installed once, at import: it changes nothing for other models.
+model_module.inject_functional_model_class = _inject
+
+
+@contextlib.contextmanager
+def building_functionally(instance, functional_class):
+    """While `instance` is initialised, a parent that builds it functionally
+    gives it `functional_class(cls)`: Keras rewrites no class
+    (docs/design.md, "Every model class")."""
+    stack = _building.__dict__.setdefault("stack", [])
+    stack.append((instance, functional_class))
     try:
         yield
     finally:
-        model_module.inject_functional_model_class = original
+        stack.pop()
 
 
 def call_for_training(model, x):

@@ -11,13 +11,11 @@ from keras_accum import _keras_compat as compat
 _CLASSES = {}
 
 
-def functional_class(cls):
-    """`cls` built functionally: a subclass of `cls` and `Functional`."""
-    from keras_accum.model import FunctionalGradientAccumulationModel
-    from keras_accum.model import GradientAccumulationModel
-
-    if cls is GradientAccumulationModel:
-        return FunctionalGradientAccumulationModel
+def functional_class(cls, accumulating, functional):
+    """`cls` built functionally: a subclass of `cls` and `Functional`
+    (`functional` for `accumulating`, the `GradientAccumulationModel`)."""
+    if cls is accumulating:
+        return functional
     if ("functional", cls) not in _CLASSES:
         twin = type(
             cls.__name__,
@@ -25,22 +23,20 @@ def functional_class(cls):
             {"__module__": cls.__module__, "__doc__": cls.__doc__},
         )
         # Saved under the name of `cls`, whose `from_config` rebuilds it.
-        compat.serialize_as(twin, keras.saving.get_registered_name(cls))
+        _save_as(twin, cls)
         _CLASSES["functional", cls] = twin
     return _CLASSES["functional", cls]
 
 
-def accumulating_class(cls):
-    """The class `from_model()` gives an instance of `cls`."""
-    from keras_accum.model import FunctionalGradientAccumulationModel
-    from keras_accum.model import GradientAccumulationModel
-
+def accumulating_class(cls, accumulating, functional):
+    """The class `from_model()` gives an instance of `cls`: a subclass of
+    `accumulating` (`GradientAccumulationModel`) and `cls`."""
     if cls is compat.Functional:
-        return FunctionalGradientAccumulationModel
+        return functional
     if ("accumulating", cls) not in _CLASSES:
         converted = type(
             cls.__name__,
-            (GradientAccumulationModel, cls),
+            (accumulating, cls),
             {
                 "__module__": cls.__module__,
                 "__doc__": cls.__doc__,
@@ -48,11 +44,23 @@ def accumulating_class(cls):
             },
         )
         # Saved as a `GradientAccumulationModel` whose config names `cls`.
-        compat.serialize_as(
-            converted, keras.saving.get_registered_name(GradientAccumulationModel)
-        )
+        _save_as(converted, accumulating)
         _CLASSES["accumulating", cls] = converted
     return _CLASSES["accumulating", cls]
+
+
+def _save_as(cls, target):
+    """Has Keras save instances of `cls` under the registered name of
+    `target`, which still loads `target` (registered again after `cls`). An
+    unregistered `target` is saved under its class name, which `cls`
+    shares."""
+    name = keras.saving.get_registered_name(target)
+    if name == cls.__name__:
+        return
+    package, _, class_name = name.rpartition(">")
+    register = keras.saving.register_keras_serializable(package, class_name)
+    register(cls)
+    register(target)
 
 
 def class_from_config(spec, custom_objects=None):

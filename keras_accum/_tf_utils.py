@@ -1,5 +1,6 @@
-"""TensorFlow helpers shared by the accumulator and the BatchNorm statistics."""
+"""TensorFlow helpers: per-replica state variables and XLA on a CPU."""
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -65,10 +66,48 @@ def assign_state(state, values):
     return pending
 
 
+# XLA on a CPU: every decision it needs is here (docs/design.md).
+
+_CONVOLUTIONS = tuple(
+    getattr(keras.layers, f"{kind}Conv{rank}D{transpose}")
+    for kind, transpose in (("", ""), ("", "Transpose"), ("Separable", ""),
+                            ("Depthwise", ""))
+    for rank in ((1, 2, 3) if not kind else (1, 2))
+)
+
+
+def _cpu_only():
+    return not (
+        tf.config.list_logical_devices("GPU")
+        or tf.config.list_logical_devices("TPU")
+    )
+
+
+def xla_placement(jit_compile, in_step, layers, xla_aborts=False):
+    """What XLA compiles of a train step: `"step"` (Keras' whole step),
+    `"micro_batch"` (each micro-batch of the in-step loop: XLA's CPU backend
+    compiles convolution gradients inside a loop into slow kernels), or
+    `None` (nothing: also where `xla_aborts`, on a CPU with a memory limit,
+    where XLA's runtime aborts the process instead of raising)."""
+    if jit_compile is not True or xla_aborts:
+        return None
+    if in_step and _cpu_only() and any(
+        isinstance(layer, _CONVOLUTIONS) for layer in layers
+    ):
+        return "micro_batch"
+    return "step"
+
+
+def xla_on_cpu():
+    """Whether the function being traced is compiled by XLA for a CPU: a
+    conditional there copies every variable it writes."""
+    return in_xla_context() and not tf.config.list_logical_devices("GPU")
+
+
 def run_if(pred, fn):
     """`fn()` (a boolean tensor) if `pred`, else `False`: a `tf.cond`, or
     under XLA on CPU a 0/1-trip loop (docs/design.md, "One window end")."""
-    if in_xla_context() and not tf.config.list_logical_devices("GPU"):
+    if xla_on_cpu():
 
         def body(count, _):
             return count + 1, fn()

@@ -86,21 +86,18 @@ class _CallGroup(tf.Module):
         )
 
     def add(self, count, mean, variance):
-        """Adds one micro-batch (Chan et al.'s parallel combination)."""
-        count_a = self.count.read_value()
-        mean_a = self.mean.read_value()
-        total = count_a + count
-        delta = mean - mean_a
-        self.mean.assign(
-            mean_a + delta * tf.math.divide_no_nan(count, total)
-        )
-        self.m2.assign(
-            self.m2.read_value()
-            + variance * count
-            + tf.square(delta)
-            * tf.math.divide_no_nan(count_a * count, total)
-        )
-        self.count.assign(total)
+        """Adds one micro-batch's statistics to the window's."""
+        parts = [
+            tf.stack([a.read_value(), b])
+            for a, b in zip(self.read_variables(), (count, mean, variance * count))
+        ]
+        for variable, value in zip(
+            self.read_variables(), combine_moments(stacked_total(*parts))
+        ):
+            variable.assign(value)
+
+    def read_variables(self):
+        return (self.count, self.mean, self.m2)
 
     def read(self):
         return (
@@ -112,6 +109,30 @@ class _CallGroup(tf.Module):
     def reset(self):
         for variable in (self.count, self.mean, self.m2):
             variable.assign(tf.zeros_like(variable))
+
+
+def stacked_total(counts, means, m2s):
+    """`total` for `combine_moments` of parts stacked on the first axis."""
+
+    def total(f):
+        return [tf.reduce_sum(v, axis=0) for v in f(counts, means, m2s)]
+
+    return total
+
+
+def combine_moments(total):
+    """Chan et al.'s parallel combination of parts (count `n_i`, mean `mu_i`,
+    sum of squared deviations `M2_i`): the count, mean and M2 of their union,
+    in two passes. `total(f)` sums `f(n_i, mu_i, M2_i)`, a list of tensors,
+    over the parts (over an axis, or over the replicas in one reduction)."""
+    count, weighted = total(lambda n, mean, m2: [n, n * mean])
+    mean = tf.math.divide_no_nan(weighted, count)
+    (m2,) = total(
+        lambda n, part_mean, part_m2: [
+            part_m2 + n * tf.square(part_mean - mean)
+        ]
+    )
+    return count, mean, m2
 
 
 def _update_moving_statistics(statistics):
@@ -211,7 +232,8 @@ class WindowBatchNormStatistics(tf.Module):
     and `synchronized=True` ones too) moves its moving mean and variance once
     per applied window, from the exact statistics of all the window's
     samples and replicas; a skipped window leaves them unchanged. See the
-    README for what is not covered and docs/design.md for the mechanism.
+    docs/semantics.md for what is not covered and docs/design.md for the
+    mechanism.
 
     Args:
         enabled: bool, whether to window the moving statistics. If `False`
@@ -518,48 +540,27 @@ def _update_from_replicas(distribution, groups):
         else tf.float32
     )
     sizes = [sum(group.sizes) for group in groups]
-    total = sum(sizes)
 
-    def local_statistics():
-        return [
-            tuple(tf.cast(value, dtype) for value in group.read())
+    def local():
+        """This replica's (count, mean, M2), concatenated over the groups."""
+        values = [
+            [tf.cast(value, dtype) for value in group.read()]
             for group in groups
         ]
+        return [_concat([v[i] for v in values]) for i in range(3)]
 
-    def first_moments():
-        local = local_statistics()
-        return tf.concat(
-            [count for count, _, _ in local]
-            + [count * mean for count, mean, _ in local],
-            axis=0,
+    def total(f):
+        """`f` of each replica's statistics, summed in one all-reduce."""
+        summed = distribution.reduce(
+            tf.distribute.ReduceOp.SUM,
+            distribution.extended.call_for_each_replica(
+                lambda: tf.concat(f(*local()), axis=0)
+            ),
+            axis=None,
         )
+        return tf.split(summed, summed.shape[0] // sum(sizes))
 
-    def second_moments(means):
-        return tf.concat(
-            [
-                m2 + count * tf.square(mean - global_mean)
-                for (count, mean, m2), global_mean in zip(
-                    local_statistics(), tf.split(means, sizes)
-                )
-            ],
-            axis=0,
-        )
-
-    sum_op = tf.distribute.ReduceOp.SUM
-    totals = distribution.reduce(
-        sum_op,
-        distribution.extended.call_for_each_replica(first_moments),
-        axis=None,
-    )
-    counts = totals[:total]
-    means = tf.math.divide_no_nan(totals[total:], counts)
-    m2s = distribution.reduce(
-        sum_op,
-        distribution.extended.call_for_each_replica(
-            second_moments, args=(means,)
-        ),
-        axis=None,
-    )
+    counts, means, m2s = combine_moments(total)
     _update_moving_statistics(
         list(
             zip(

@@ -48,7 +48,7 @@ class _LossRecording:
                 "`reduction='sum'`, or a custom loss object). Micro-batches "
                 "are weighted by their number of samples, which equals the "
                 "big batch only when every term is a per-sample mean. See "
-                "the README's 'Exactness' section.",
+                "docs/semantics.md, 'What equals the big batch'.",
                 stacklevel=2,
             )
         return batch_size

@@ -8,17 +8,19 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_compat as compat
-from keras_accum._auto_micro_batch import AutoMicroBatch
 from keras_accum import _model_classes as classes
+from keras_accum import _saved_window as saved_window
 from keras_accum import loss_normalizer
-from keras_accum import _window_state as window_state
+from keras_accum._auto_micro_batch import AutoMicroBatch
+from keras_accum._fit_hooks import BatchSkip
+from keras_accum._fit_hooks import window_train_function
+from keras_accum._fit_hooks import with_window_callbacks
+from keras_accum._tf_utils import xla_placement
 from keras_accum.accumulator import GradientAccumulator
 from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import resolve_policy
 from keras_accum.accumulator import validate_steps
 from keras_accum.batch_norm import WindowBatchNormStatistics
-from keras_accum._fit_hooks import window_train_function
-from keras_accum._fit_hooks import with_window_callbacks
 
 _CONFIG_KEYS = (
     "gradient_accumulation_steps",
@@ -29,32 +31,36 @@ _CONFIG_KEYS = (
 )
 
 
-def _window_parts(
-    gradient_accumulation_steps=1,
-    flush_at_epoch_end=True,
-    non_finite_policy="auto",
-    window_batch_norm=True,
-    micro_batch_size=None,
-):
-    """Validates the model's own arguments; builds the window's parts."""
-    if not isinstance(flush_at_epoch_end, bool):
-        raise ValueError(
-            "`flush_at_epoch_end` must be a bool. Received: "
-            f"flush_at_epoch_end={flush_at_epoch_end!r}"
+class _Window:
+    """The model's own arguments, validated, and the window's parts."""
+
+    def __init__(
+        self,
+        gradient_accumulation_steps=1,
+        flush_at_epoch_end=True,
+        non_finite_policy="auto",
+        window_batch_norm=True,
+        micro_batch_size=None,
+    ):
+        if not isinstance(flush_at_epoch_end, bool):
+            raise ValueError(
+                "`flush_at_epoch_end` must be a bool. Received: "
+                f"flush_at_epoch_end={flush_at_epoch_end!r}"
+            )
+        self.flush_at_epoch_end = flush_at_epoch_end
+        self.micro_batch_size = _validate_micro_batch_size(micro_batch_size)
+        self.batch_norm_statistics = WindowBatchNormStatistics(
+            window_batch_norm
         )
-    micro_batch_size = _validate_micro_batch_size(micro_batch_size)
-    batch_norm_statistics = WindowBatchNormStatistics(window_batch_norm)
-    accumulator = GradientAccumulator(
-        gradient_accumulation_steps, non_finite_policy=non_finite_policy
-    )
-    # Several micro-batches per step: the window goes through the buffers.
-    accumulator.accumulates = micro_batch_size is not None
-    return (
-        flush_at_epoch_end,
-        accumulator,
-        batch_norm_statistics,
-        micro_batch_size,
-    )
+        self.accumulator = GradientAccumulator(
+            gradient_accumulation_steps, non_finite_policy=non_finite_policy
+        )
+        # Several micro-batches per step, or a policy that checks: the
+        # train step goes through the window also for N = 1.
+        self.accumulator.accumulates = (
+            self.micro_batch_size is not None
+            or non_finite_policy in ("skip_window", "drop_micro_batch")
+        )
 
 
 def _validate_micro_batch_size(value):
@@ -127,27 +133,6 @@ def _check_in_step_sync(model):
             )
 
 
-_CONVOLUTIONS = tuple(
-    getattr(keras.layers, f"{kind}Conv{rank}D{transpose}")
-    for kind, transpose in (("", ""), ("", "Transpose"), ("Separable", ""),
-                            ("Depthwise", ""))
-    for rank in ((1, 2, 3) if not kind else (1, 2))
-)
-
-
-def _loop_outside_xla(model):
-    """Whether the micro-batch loop runs outside XLA, each micro-batch inside:
-    XLA's CPU backend compiles convolution gradients inside a loop into slow
-    kernels (docs/design.md, "Micro-batches inside the train step")."""
-    return (
-        model.micro_batch_size is not None
-        and model.jit_compile is True
-        and not tf.config.list_logical_devices("GPU")
-        and not tf.config.list_logical_devices("TPU")
-        and any(isinstance(l, _CONVOLUTIONS) for l in compat.layers_of(model))
-    )
-
-
 def _compile_of_own_class(cls):
     """The first class of `cls`'s MRO, past ours, that defines `compile()`
     or `compile_from_config()` other than Keras' own; `None` if none."""
@@ -190,10 +175,13 @@ def _convert(model, gradient_accumulation_steps, kwargs):
             f"Unrecognized arguments for `from_model()`: {sorted(unknown)}. "
             f"Expected some of {list(_CONFIG_KEYS[1:])}."
         )
-    window = _window_parts(gradient_accumulation_steps, **kwargs)
+    window = _Window(gradient_accumulation_steps, **kwargs)
     if getattr(model, "optimizer", None) is not None:
-        _check_optimizer(model.optimizer, window[1].non_finite_policy, False)
-    model.__class__ = classes.accumulating_class(type(model))
+        _check_optimizer(model.optimizer, window.accumulator.non_finite_policy, False)
+    model.__class__ = classes.accumulating_class(
+        type(model), GradientAccumulationModel,
+        FunctionalGradientAccumulationModel,
+    )
     model._init_window(window)
     return model
 
@@ -246,7 +234,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     counts updates. The pending window is saved with the model, input of
     unknown length trains as known length would, and a partial window is
     applied before validation and before other callbacks see an epoch's end.
-    See the README for the semantics and docs/design.md for the mechanism.
+    See docs/semantics.md for the semantics and docs/design.md for the
+    mechanism.
 
     Use it like `keras.Model`: functional, subclassed (with a `call()`), or
     around an existing model with `from_model()`. A subclass with its own
@@ -321,7 +310,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         **kwargs,
     ):
         _check_backend()
-        window = _window_parts(
+        window = _Window(
             gradient_accumulation_steps,
             flush_at_epoch_end,
             non_finite_policy,
@@ -330,37 +319,38 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         )
         # A parent that builds a functional graph (a keras-hub task) makes
         # this instance `Functional` without Keras rewriting any class.
-        with compat.functional_class_for(self, classes.functional_class):
+        with compat.building_functionally(self, self._functional_class):
             super().__init__(*args, **kwargs)
         self._init_window(window)
 
+    @staticmethod
+    def _functional_class(cls):
+        return classes.functional_class(
+            cls, GradientAccumulationModel, FunctionalGradientAccumulationModel
+        )
+
     def _init_window(self, window):
         self._flush_function = None
-        # Batches that the next train calls consume without training (set
-        # by `keras_accum.callbacks.BackupAndRestore` to resume mid-epoch).
-        self._batches_to_skip = 0
-        self._set_window_parts(*window)
+        self._micro_batches_in_xla = False
+        # How `keras_accum.callbacks.BackupAndRestore` resumes mid-epoch.
+        self.batch_skip = BatchSkip()
+        self._set_window(window)
         if getattr(self, "optimizer", None) is not None:
             # Compiled by a parent's `__init__`, or before `from_model()`.
             _check_optimizer(self.optimizer, self.non_finite_policy, False)
             self.train_function = None
 
-    def _set_window_parts(
-        self,
-        flush_at_epoch_end,
-        accumulator,
-        batch_norm_statistics,
-        micro_batch_size,
-    ):
-        self.flush_at_epoch_end = flush_at_epoch_end
+    def _set_window(self, window):
+        self.flush_at_epoch_end = window.flush_at_epoch_end
         self._auto_micro_batch = None
+        micro_batch_size = window.micro_batch_size
         if micro_batch_size == "auto":
             self._auto_micro_batch = AutoMicroBatch(self)
             micro_batch_size = None  # set per input shape, when tracing
         self._micro_batch_size = micro_batch_size
-        self.gradient_accumulator = accumulator
-        self._batch_norm_statistics = batch_norm_statistics
-        accumulator.add_window_end_listener(batch_norm_statistics)
+        self.gradient_accumulator = window.accumulator
+        self._batch_norm_statistics = window.batch_norm_statistics
+        window.accumulator.add_window_end_listener(self._batch_norm_statistics)
 
     @property
     def gradient_accumulation_steps(self):
@@ -531,12 +521,17 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """Keras' train function of this model, traced when first called."""
         current = self.train_function
         auto = self._auto_micro_batch
-        no_xla = auto is not None and auto.memory.xla_aborts
-        self._micro_batches_in_xla = not no_xla and _loop_outside_xla(self)
+        placement = xla_placement(
+            self.jit_compile,
+            self.micro_batch_size is not None,
+            compat.layers_of(self),
+            xla_aborts=auto is not None and auto.memory.xla_aborts,
+        )
+        self._micro_batches_in_xla = placement == "micro_batch"
         jit_compile = self.jit_compile
-        if self._micro_batches_in_xla or no_xla:
-            # Keras compiles the whole step with XLA: here only the body,
-            # or (a CPU with a memory limit and "auto") nothing.
+        if jit_compile is True and placement != "step":
+            # Keras compiles the whole step with XLA: here only each
+            # micro-batch, or (a CPU with a memory limit and "auto") nothing.
             self.jit_compile = False
         try:
             super().make_train_function(force=True)
@@ -580,23 +575,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return bool(self._flush_function())
 
     def train_step(self, data):
+        if not self.gradient_accumulator.accumulates:
+            # N = 1 and no option that needs the window: Keras' own step.
+            return self._step_logs(super().train_step(data))
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
-        if self._micro_batch_size is not None:
-            return _train_in_micro_batches(self, x, y, sample_weight)
-        y_pred, loss, gradients, normalizer, batch_size = (
-            _forward_backward(self, x, y, sample_weight)
-        )
-        compat.track_loss(self, loss, batch_size)
-        if gradients is not None:
-            self.gradient_accumulator.accumulate_and_maybe_apply(
-                gradients,
-                self.optimizer,
-                self.trainable_weights,
-                normalizer=normalizer,
-                gradient_scale=_replica_scale(),
-            )
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return self._step_logs(logs)
+        return self._step_logs(_window_step(self, x, y, sample_weight))
 
     def _step_logs(self, logs):
         if self.gradient_accumulator.accumulates and self.optimizer is not None:
@@ -634,21 +617,21 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if all(key in config for key in functional_keys):
             own = {k: config.pop(k) for k in _CONFIG_KEYS if k in config}
             model = super().from_config(config, custom_objects=custom_objects)
-            model._set_window_parts(*_window_parts(**own))
+            model._set_window(_Window(**own))
             return model
         return super().from_config(config, custom_objects=custom_objects)
 
     def save_own_variables(self, store):
         """Saves the model's own variables and its pending window."""
         super().save_own_variables(store)
-        window_state.save(self._window_parts(), store)
+        saved_window.save(self._saved_parts(), store)
 
     def load_own_variables(self, store):
         """Loads what `save_own_variables` saved (no window: an empty one)."""
         if self.built:
             self._build_window_state()
-        own = window_state.load(
-            self._window_parts(),
+        own = saved_window.load(
+            self._saved_parts(),
             store,
             self.distribute_strategy.num_replicas_in_sync,
         )
@@ -660,7 +643,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """Loading restores the N the window was saved with (the model's own
         rule: the file's training state wins), with a warning if it differs."""
         accumulator = self.gradient_accumulator
-        saved = int(accumulator.next_window_steps.numpy())
+        saved = int(accumulator.window.next_window_steps.numpy())
         built = accumulator.gradient_accumulation_steps
         if saved != built:
             warnings.warn(
@@ -673,7 +656,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             )
             self.gradient_accumulation_steps = saved
 
-    def _window_parts(self):
+    def _saved_parts(self):
         return {
             "accumulator": self.gradient_accumulator,
             "batch_norm": self._batch_norm_statistics,
@@ -698,17 +681,47 @@ def _forward_backward(model, x, y, sample_weight):
             scaled = model.optimizer.scale_loss(loss)
     if not model.trainable_weights:
         warnings.warn("The model does not have any trainable weights.")
-        return y_pred, loss, None, None, batch_size
+        return y_pred, loss, None, batch_size
     gradients = tape.gradient(scaled, model.trainable_weights)
     normalizer = recording.normalizer(batch_size)
-    return y_pred, loss, gradients, normalizer, batch_size
+    model.gradient_accumulator.add(
+        gradients,
+        model.optimizer,
+        model.trainable_weights,
+        normalizer=normalizer,
+        gradient_scale=_replica_scale(),
+    )
+    return y_pred, loss, normalizer, batch_size
 
 
-def _train_in_micro_batches(model, x, y, sample_weight):
-    """`train_step` with `micro_batch_size` (docs/design.md)."""
-    data = (x, y, sample_weight)
+def _window_step(model, x, y, sample_weight):
+    """A train step through the window: its batch added as one micro-batch,
+    or in micro-batches of `micro_batch_size` rows; then the step ended,
+    which applies the window once it is complete (docs/design.md)."""
+    if model._micro_batch_size is None:
+        y_pred, loss, _, batch_size = _forward_backward(
+            model, x, y, sample_weight
+        )
+        compat.track_loss(model, loss, batch_size)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    else:
+        loss, batch_size = _micro_batches(model, (x, y, sample_weight))
+        compat.track_loss(model, loss, batch_size)
+        logs = model.get_metrics_result()
+    if model.optimizer is not None and model.trainable_weights:
+        with tf.control_dependencies([loss]):
+            model.gradient_accumulator.end_step(
+                model.optimizer, model.trainable_weights
+            )
+    return logs
+
+
+def _micro_batches(model, data):
+    """Adds the batch in micro-batches of `micro_batch_size` rows: full ones
+    in a `tf.while_loop`, a short last one after it; returns the batch's
+    loss (the micro-batches' weighted by their normalisers) and size."""
     rows = model._micro_batch_size
-    size = tf.shape(_first_tensor(x))[0]
+    size = tf.shape(_first_tensor(data[0]))[0]
     full = size // rows
     zero = tf.zeros((), tf.float64)
 
@@ -719,17 +732,7 @@ def _train_in_micro_batches(model, x, y, sample_weight):
             ),
             data,
         )
-        y_pred, loss, gradients, normalizer, _ = _forward_backward(
-            model, *part
-        )
-        if gradients is not None:
-            model.gradient_accumulator.add(
-                gradients,
-                model.optimizer,
-                model.trainable_weights,
-                normalizer=normalizer,
-                gradient_scale=_replica_scale(),
-            )
+        y_pred, loss, normalizer, _ = _forward_backward(model, *part)
         model.compute_metrics(part[0], part[1], y_pred, part[2])
         loss = tf.cast(loss, zero.dtype)
         if normalizer is None:  # a sum: summed (with weight 0)
@@ -740,7 +743,7 @@ def _train_in_micro_batches(model, x, y, sample_weight):
     def compiled(length):
         """`micro_batch` of `length` rows; XLA-compiled on its own if asked."""
         run = functools.partial(micro_batch, length=length)
-        if getattr(model, "_micro_batches_in_xla", False):
+        if model._micro_batches_in_xla:
             run = tf.function(run, jit_compile=True, autograph=False)
         return run
 
@@ -756,7 +759,7 @@ def _train_in_micro_batches(model, x, y, sample_weight):
         (tf.zeros((), tf.int32), zero, zero),
         parallel_iterations=1,
     )
-    static_size = _first_tensor(x).shape[0]
+    static_size = _first_tensor(data[0]).shape[0]
     if static_size is None:
         rest = size - full * rows
         last = tf.cond(
@@ -770,14 +773,7 @@ def _train_in_micro_batches(model, x, y, sample_weight):
     else:
         last = (zero, zero)
     loss, weight = loss + last[0], weight + last[1]
-    loss = loss / tf.where(weight > 0, weight, tf.ones_like(weight))
-    compat.track_loss(model, loss, size)
-    if model.optimizer is not None and model.trainable_weights:
-        with tf.control_dependencies([loss]):
-            model.gradient_accumulator.end_step(
-                model.optimizer, model.trainable_weights
-            )
-    return model._step_logs(model.get_metrics_result())
+    return loss / tf.where(weight > 0, weight, tf.ones_like(weight)), size
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")

@@ -157,7 +157,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if position:
             # `fit()` reads this right after `on_train_begin`.
             compat.set_initial_epoch(self.model, self._epoch)
-            self.model._batches_to_skip = self._resume_at
+            self.model.batch_skip.set(self._resume_at)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_in_epoch = epoch, 0
@@ -182,7 +182,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         compat.set_initial_epoch(self.model, None)
-        self.model._batches_to_skip = 0
+        self.model.batch_skip.set(0)
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir)
 
