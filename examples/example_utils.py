@@ -1,5 +1,4 @@
-"""Helpers shared by the examples: flags, strategy, figures, the peak
-memory, saved weights, table and figure of the comparison, and the device
+"""Helpers shared by the examples: flags, strategy, figures, and the device
 memory limit of the small-memory runs.
 
 The examples' own files hold what they teach (data pipeline, model,
@@ -11,7 +10,6 @@ import io
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 
@@ -324,134 +322,6 @@ def write_outputs(model, history, val_ds, class_names, output_dir, title,
     for name, path in paths.items():
         print(f"Wrote {name}: {path}")
     return paths
-
-
-# ---------------------------------------------------------------------------
-# compare_accumulation.py: peak memory, saved weights, figure and table
-# ---------------------------------------------------------------------------
-
-
-def _proc_status_mb(field):
-    """`VmHWM` (peak) or `VmRSS` (current) resident size in MB, Linux only."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mb():
-    """This process's peak resident set size in MB."""
-    value = _proc_status_mb("VmHWM")
-    if value is None:  # Not Linux: ru_maxrss is in kB on Linux, bytes on macOS.
-        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        value /= 1024.0 * (1024.0 if sys.platform == "darwin" else 1.0)
-    return value
-
-
-def read_weights(path):
-    """The model's arrays in a `.weights.h5` file (not the optimizer's)."""
-    import h5py
-
-    arrays = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(
-            lambda name, obj: (
-                arrays.__setitem__(name, np.asarray(obj[()], np.float64))
-                if isinstance(obj, h5py.Dataset) and name.startswith("layers/")
-                else None
-            )
-        )
-    return arrays
-
-
-def save_comparison_figure(results, names, path):
-    """Validation loss and mean IoU per epoch, and peak memory, of each run.
-
-    `results` and `names` map each run, in order, to its numbers and label.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    runs = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    styles = [
-        dict(marker="o", linestyle="-"),
-        dict(marker="s", linestyle="-", linewidth=3, alpha=0.6),
-        dict(marker="x", linestyle="--", color="black"),
-    ]
-    for key, ax, label in [
-        ("val_loss", axes[0], "validation loss"),
-        ("val_mean_iou", axes[1], "validation mean IoU"),
-    ]:
-        for run, style in zip(runs, styles):
-            values = results[run]["history"][key]
-            ax.plot(
-                range(1, len(values) + 1), values, label=names[run], **style
-            )
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    wrapped = [names[run].replace(" x ", "\nx ") for run in runs]
-    colours = ["tab:blue", "tab:orange", "tab:gray"]
-    if all("gpu_peak_mb" in results[run] for run in runs):
-        peaks = [results[run]["gpu_peak_mb"] for run in runs]
-        bars = axes[2].bar(wrapped, peaks, color=colours)
-        axes[2].bar_label(bars, fmt="%.0f MB")
-        axes[2].set_ylabel("peak GPU memory during fit (MB)")
-    else:
-        # Resident size before fit (TensorFlow, data, model) and what fit adds.
-        growth = [results[run]["peak_rss_growth_mb"] for run in runs]
-        base = [results[run]["peak_rss_mb"] - g for run, g in zip(runs, growth)]
-        axes[2].bar(wrapped, base, color="lightgray", label="before fit")
-        bars = axes[2].bar(
-            wrapped, growth, bottom=base, color=colours,
-            label="added during fit",
-        )
-        axes[2].bar_label(
-            bars,
-            labels=[
-                f"{b + g:.0f} MB\n(+{g:.0f} in fit)"
-                for b, g in zip(base, growth)
-            ],
-        )
-        axes[2].set_ylabel("peak resident memory (MB)")
-        axes[2].set_ylim(0, 1.2 * max(b + g for b, g in zip(base, growth)))
-        axes[2].legend(loc="lower right")
-    axes[2].set_title("peak memory", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def comparison_table(results, names):
-    """A Markdown table of the runs' updates, final metrics, memory, time."""
-    lines = [
-        "| run | updates | final val loss | final val mean IoU "
-        "| peak memory (MB) | peak growth in fit (MB) | train time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for run, r in results.items():
-        memory = r.get("gpu_peak_mb", r["peak_rss_mb"])
-        growth = (
-            "n/a" if "gpu_peak_mb" in r else f"{r['peak_rss_growth_mb']:.0f}"
-        )
-        lines.append(
-            f"| {names[run]} | {r['updates']} "
-            f"| {r['history']['val_loss'][-1]:.4f} "
-            f"| {r['history']['val_mean_iou'][-1]:.4f} "
-            f"| {memory:.0f} | {growth} | {r['train_seconds']:.1f} |"
-        )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------

@@ -203,8 +203,8 @@ class AutoMicroBatch:
         """A train function of an iterator, as Keras' own.
 
         Args:
-            make_function: callable returning Keras' train function for the
-                model's current `_micro_batch_size`.
+            make_function: callable returning Keras' train function for
+                micro-batches of a given size.
         """
         if not self._checked:
             self._checked = True
@@ -219,10 +219,8 @@ class AutoMicroBatch:
         return train
 
     def _function(self, size, make_function):
-        # The in-step loop reads the size when it is traced (again).
-        self.model._micro_batch_size = size
         if size not in self._functions:
-            self._functions[size] = make_function()
+            self._functions[size] = make_function(size)
         return self._functions[size]
 
     def _first_size(self, signature, rows):

@@ -43,7 +43,7 @@ def window_train_function(model, train_function):
                 return model.get_metrics_result()
             return train_function(iterator)
         except tf.errors.ResourceExhaustedError as error:
-            if model._auto_micro_batch is not None:
+            if model.auto_micro_batch is not None:
                 raise
             raise out_of_memory_hint(model, error) from error
         except (StopIteration, tf.errors.OutOfRangeError):
@@ -135,7 +135,7 @@ class _WindowEnd(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         params = self.params or {}
-        auto = self.model._auto_micro_batch
+        auto = self.model.auto_micro_batch
         if auto is not None:
             auto.verbose = params.get("verbose", 0)
         if params.get("verbose", 0) != 0 and self.model.gradient_accumulator.accumulates:

@@ -68,7 +68,10 @@ for _module, _names in (
     (keras.Model, ("_compute_loss", "_symbolic_build", "_maybe_symbolic_build")),
     (model_module, ("inject_functional_model_class",)),
     (keras.layers.BatchNormalization, ("_moments",)),
-    (keras.optimizers.LossScaleOptimizer, ("_stateful_handle_non_finite_grads",)),
+    (
+        keras.optimizers.LossScaleOptimizer,
+        ("_stateful_handle_non_finite_grads",),
+    ),
     (
         keras.callbacks.ProgbarLogger,
         ("_maybe_init_progbar", "_update_progbar", "_finalize_progbar"),

@@ -357,7 +357,7 @@ class GradientAccumulator(tf.Module):
         )
 
     def _end_window(self, optimizer, variables, ready):
-        """The one place where a window ends (docs/design.md, "One window end")."""
+        """The one place where a window ends (docs/design.md)."""
         variables = list(variables)
 
         def end(strategy, ready):
@@ -410,7 +410,9 @@ class GradientAccumulator(tf.Module):
         if policy == "propagate":
             applied = apply()
         else:
-            ok = tf.equal(added, steps) if policy == "skip_window" else added > 0
+            ok = added > 0
+            if policy == "skip_window":
+                ok = tf.equal(added, steps)
             applied = tf.cond(ok, apply, skip)
         for listener in self._listeners:
             listener.window_end(strategy, applied)

@@ -87,17 +87,14 @@ class _CallGroup(tf.Module):
 
     def add(self, count, mean, variance):
         """Adds one micro-batch's statistics to the window's."""
+        window = (self.count, self.mean, self.m2)
         parts = [
             tf.stack([a.read_value(), b])
-            for a, b in zip(self.read_variables(), (count, mean, variance * count))
+            for a, b in zip(window, (count, mean, variance * count))
         ]
-        for variable, value in zip(
-            self.read_variables(), combine_moments(stacked_total(*parts))
-        ):
+        combined = combine_moments(stacked_total(*parts))
+        for variable, value in zip(window, combined):
             variable.assign(value)
-
-    def read_variables(self):
-        return (self.count, self.mean, self.m2)
 
     def read(self):
         return (

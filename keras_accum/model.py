@@ -156,36 +156,6 @@ def _check_backend():
         )
 
 
-def _convert(model, gradient_accumulation_steps, kwargs):
-    """`GradientAccumulationModel.from_model()`."""
-    _check_backend()
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            "`from_model()` needs a `keras.Model`. Received: "
-            f"model of type {type(model).__name__}"
-        )
-    if isinstance(model, GradientAccumulationModel):
-        raise ValueError(
-            f"The model {model.name!r} already accumulates gradients. "
-            "Set `model.gradient_accumulation_steps` to change N."
-        )
-    unknown = set(kwargs) - set(_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(
-            f"Unrecognized arguments for `from_model()`: {sorted(unknown)}. "
-            f"Expected some of {list(_CONFIG_KEYS[1:])}."
-        )
-    window = _Window(gradient_accumulation_steps, **kwargs)
-    if getattr(model, "optimizer", None) is not None:
-        _check_optimizer(model.optimizer, window.accumulator.non_finite_policy, False)
-    model.__class__ = classes.accumulating_class(
-        type(model), GradientAccumulationModel,
-        FunctionalGradientAccumulationModel,
-    )
-    model._init_window(window)
-    return model
-
-
 def _checked_compile_arguments(model, args, kwargs):
     """`compile()`'s arguments, a given optimizer resolved and checked before
     Keras installs anything (`"auto"`: a keras-hub task's default)."""
@@ -468,7 +438,35 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         assert model is base and isinstance(model, keras.Sequential)
         ```
         """
-        return _convert(model, gradient_accumulation_steps, kwargs)
+        _check_backend()
+        if not isinstance(model, keras.Model):
+            raise ValueError(
+                "`from_model()` needs a `keras.Model`. Received: "
+                f"model of type {type(model).__name__}"
+            )
+        if isinstance(model, GradientAccumulationModel):
+            raise ValueError(
+                f"The model {model.name!r} already accumulates gradients. "
+                "Set `model.gradient_accumulation_steps` to change N."
+            )
+        unknown = set(kwargs) - set(_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(
+                f"Unrecognized arguments for `from_model()`: {sorted(unknown)}. "
+                f"Expected some of {list(_CONFIG_KEYS[1:])}."
+            )
+        window = _Window(gradient_accumulation_steps, **kwargs)
+        if getattr(model, "optimizer", None) is not None:
+            _check_optimizer(
+                model.optimizer, window.accumulator.non_finite_policy, False
+            )
+        model.__class__ = classes.accumulating_class(
+            type(model),
+            GradientAccumulationModel,
+            FunctionalGradientAccumulationModel,
+        )
+        model._init_window(window)
+        return model
 
     def compile(self, *args, **kwargs):
         args, kwargs = _checked_compile_arguments(self, args, kwargs)
@@ -517,8 +515,16 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self._flush_function = None
         return self.train_function
 
-    def _keras_train_function(self):
-        """Keras' train function of this model, traced when first called."""
+    @property
+    def auto_micro_batch(self):
+        """The `AutoMicroBatch` of `micro_batch_size="auto"`, or `None`."""
+        return self._auto_micro_batch
+
+    def _keras_train_function(self, micro_batch_size=None):
+        """Keras' train function of this model, traced when first called
+        (with micro-batches of `micro_batch_size` rows, if given)."""
+        if micro_batch_size is not None:
+            self._micro_batch_size = micro_batch_size
         current = self.train_function
         auto = self._auto_micro_batch
         placement = xla_placement(
@@ -579,7 +585,119 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             # N = 1 and no option that needs the window: Keras' own step.
             return self._step_logs(super().train_step(data))
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
-        return self._step_logs(_window_step(self, x, y, sample_weight))
+        return self._step_logs(self._window_step(x, y, sample_weight))
+
+    def _forward_backward(self, x, y, sample_weight):
+        """One micro-batch's predictions, loss, gradients and normaliser."""
+        batch_size = tf.shape(_first_tensor(x))[0]
+        with tf.GradientTape() as tape:
+            # BatchNormalization moving statistics: once per window.
+            with self._batch_norm_statistics.record(self):
+                y_pred = compat.call_for_training(self, x)
+            loss_normalizer.install(self, x, y, y_pred, sample_weight)
+            with loss_normalizer.record_loss_terms() as recording:
+                loss = compat.compute_loss(
+                    self, x=x, y=y, y_pred=y_pred,
+                    sample_weight=sample_weight, training=True,
+                )
+            scaled = loss
+            if self.optimizer is not None:
+                scaled = self.optimizer.scale_loss(loss)
+        if not self.trainable_weights:
+            warnings.warn("The model does not have any trainable weights.")
+            return y_pred, loss, None, batch_size
+        gradients = tape.gradient(scaled, self.trainable_weights)
+        normalizer = recording.normalizer(batch_size)
+        self.gradient_accumulator.add(
+            gradients,
+            self.optimizer,
+            self.trainable_weights,
+            normalizer=normalizer,
+            gradient_scale=_replica_scale(),
+        )
+        return y_pred, loss, normalizer, batch_size
+
+    def _window_step(self, x, y, sample_weight):
+        """A train step through the window: its batch added as one
+        micro-batch, or in micro-batches of `micro_batch_size` rows; then the
+        step ended, which applies the window once it is complete."""
+        if self._micro_batch_size is None:
+            y_pred, loss, _, batch_size = self._forward_backward(
+                x, y, sample_weight
+            )
+            compat.track_loss(self, loss, batch_size)
+            logs = self.compute_metrics(x, y, y_pred, sample_weight)
+        else:
+            loss, batch_size = self._micro_batches((x, y, sample_weight))
+            compat.track_loss(self, loss, batch_size)
+            logs = self.get_metrics_result()
+        if self.optimizer is not None and self.trainable_weights:
+            with tf.control_dependencies([loss]):
+                self.gradient_accumulator.end_step(
+                    self.optimizer, self.trainable_weights
+                )
+        return logs
+
+    def _micro_batches(self, data):
+        """Adds the batch in micro-batches of `micro_batch_size` rows: full
+        ones in a `tf.while_loop`, a short last one after it; returns the
+        batch's loss (the micro-batches' weighted by their normalisers) and
+        size (docs/design.md, "Micro-batches inside the train step")."""
+        rows = self._micro_batch_size
+        size = tf.shape(_first_tensor(data[0]))[0]
+        full = size // rows
+        zero = tf.zeros((), tf.float64)
+
+        def micro_batch(start, length):
+            part = keras.tree.map_structure(
+                lambda t: None if t is None else tf.gather(
+                    t, start + tf.range(length)
+                ),
+                data,
+            )
+            y_pred, loss, normalizer, _ = self._forward_backward(*part)
+            self.compute_metrics(part[0], part[1], y_pred, part[2])
+            loss = tf.cast(loss, zero.dtype)
+            if normalizer is None:  # a sum: summed (with weight 0)
+                return loss, zero
+            weight = tf.cast(normalizer, zero.dtype)
+            return loss * weight, weight
+
+        def compiled(length):
+            """`micro_batch` of `length` rows, XLA-compiled on its own if so
+            placed."""
+            run = functools.partial(micro_batch, length=length)
+            if self._micro_batches_in_xla:
+                run = tf.function(run, jit_compile=True, autograph=False)
+            return run
+
+        full_micro_batch = compiled(rows)
+
+        def body(i, loss, weight):
+            micro_loss, micro_weight = full_micro_batch(i * rows)
+            return i + 1, loss + micro_loss, weight + micro_weight
+
+        _, loss, weight = tf.while_loop(
+            lambda i, *_: i < full,
+            body,
+            (tf.zeros((), tf.int32), zero, zero),
+            parallel_iterations=1,
+        )
+        static_size = _first_tensor(data[0]).shape[0]
+        if static_size is None:
+            rest = size - full * rows
+            last = tf.cond(
+                rest > 0,
+                lambda: micro_batch(full * rows, rest),
+                lambda: (zero, zero),
+            )
+        elif static_size % rows:
+            rest = static_size % rows
+            last = compiled(rest)(static_size - rest)
+        else:
+            last = (zero, zero)
+        loss, weight = loss + last[0], weight + last[1]
+        return loss / tf.where(weight > 0, weight, tf.ones_like(weight)), size
 
     def _step_logs(self, logs):
         if self.gradient_accumulator.accumulates and self.optimizer is not None:
@@ -661,119 +779,6 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             "accumulator": self.gradient_accumulator,
             "batch_norm": self._batch_norm_statistics,
         }
-
-
-def _forward_backward(model, x, y, sample_weight):
-    """One micro-batch's predictions, loss, gradients and normaliser."""
-    batch_size = tf.shape(_first_tensor(x))[0]
-    with tf.GradientTape() as tape:
-        # BatchNormalization moving statistics: once per window.
-        with model._batch_norm_statistics.record(model):
-            y_pred = compat.call_for_training(model, x)
-        loss_normalizer.install(model, x, y, y_pred, sample_weight)
-        with loss_normalizer.record_loss_terms() as recording:
-            loss = compat.compute_loss(
-                model, x=x, y=y, y_pred=y_pred,
-                sample_weight=sample_weight, training=True,
-            )
-        scaled = loss
-        if model.optimizer is not None:
-            scaled = model.optimizer.scale_loss(loss)
-    if not model.trainable_weights:
-        warnings.warn("The model does not have any trainable weights.")
-        return y_pred, loss, None, batch_size
-    gradients = tape.gradient(scaled, model.trainable_weights)
-    normalizer = recording.normalizer(batch_size)
-    model.gradient_accumulator.add(
-        gradients,
-        model.optimizer,
-        model.trainable_weights,
-        normalizer=normalizer,
-        gradient_scale=_replica_scale(),
-    )
-    return y_pred, loss, normalizer, batch_size
-
-
-def _window_step(model, x, y, sample_weight):
-    """A train step through the window: its batch added as one micro-batch,
-    or in micro-batches of `micro_batch_size` rows; then the step ended,
-    which applies the window once it is complete (docs/design.md)."""
-    if model._micro_batch_size is None:
-        y_pred, loss, _, batch_size = _forward_backward(
-            model, x, y, sample_weight
-        )
-        compat.track_loss(model, loss, batch_size)
-        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    else:
-        loss, batch_size = _micro_batches(model, (x, y, sample_weight))
-        compat.track_loss(model, loss, batch_size)
-        logs = model.get_metrics_result()
-    if model.optimizer is not None and model.trainable_weights:
-        with tf.control_dependencies([loss]):
-            model.gradient_accumulator.end_step(
-                model.optimizer, model.trainable_weights
-            )
-    return logs
-
-
-def _micro_batches(model, data):
-    """Adds the batch in micro-batches of `micro_batch_size` rows: full ones
-    in a `tf.while_loop`, a short last one after it; returns the batch's
-    loss (the micro-batches' weighted by their normalisers) and size."""
-    rows = model._micro_batch_size
-    size = tf.shape(_first_tensor(data[0]))[0]
-    full = size // rows
-    zero = tf.zeros((), tf.float64)
-
-    def micro_batch(start, length):
-        part = keras.tree.map_structure(
-            lambda t: None if t is None else tf.gather(
-                t, start + tf.range(length)
-            ),
-            data,
-        )
-        y_pred, loss, normalizer, _ = _forward_backward(model, *part)
-        model.compute_metrics(part[0], part[1], y_pred, part[2])
-        loss = tf.cast(loss, zero.dtype)
-        if normalizer is None:  # a sum: summed (with weight 0)
-            return loss, zero
-        weight = tf.cast(normalizer, zero.dtype)
-        return loss * weight, weight
-
-    def compiled(length):
-        """`micro_batch` of `length` rows; XLA-compiled on its own if asked."""
-        run = functools.partial(micro_batch, length=length)
-        if model._micro_batches_in_xla:
-            run = tf.function(run, jit_compile=True, autograph=False)
-        return run
-
-    full_micro_batch = compiled(rows)
-
-    def body(i, loss, weight):
-        micro_loss, micro_weight = full_micro_batch(i * rows)
-        return i + 1, loss + micro_loss, weight + micro_weight
-
-    _, loss, weight = tf.while_loop(
-        lambda i, *_: i < full,
-        body,
-        (tf.zeros((), tf.int32), zero, zero),
-        parallel_iterations=1,
-    )
-    static_size = _first_tensor(data[0]).shape[0]
-    if static_size is None:
-        rest = size - full * rows
-        last = tf.cond(
-            rest > 0,
-            lambda: micro_batch(full * rows, rest),
-            lambda: (zero, zero),
-        )
-    elif static_size % rows:
-        rest = static_size % rows
-        last = compiled(rest)(static_size - rest)
-    else:
-        last = (zero, zero)
-    loss, weight = loss + last[0], weight + last[1]
-    return loss / tf.where(weight > 0, weight, tf.ones_like(weight)), size
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
