@@ -165,13 +165,14 @@ class _Count(float):
 
 
 class ProgbarLogger(keras.callbacks.ProgbarLogger):
-    """Keras' progress bar, showing the `updates` count as an integer."""
+    """Keras' progress bar, showing the `updates` count as an integer (as a
+    float on Keras 3.11, whose bar converts every value to one)."""
 
     def _maybe_init_progbar(self):
         super()._maybe_init_progbar()
-        # Keras < 3.13 averages values not named stateful (shown as they
-        # are with `verbose=1`; `verbose=2` shows the last one).
-        if self.verbose == 1 and self.progbar.stateful_metrics is not None:
+        # Keras 3.11 averages a value over the epoch's steps unless it is
+        # named stateful: the count is the last step's.
+        if self.progbar.stateful_metrics is not None:
             self.progbar.stateful_metrics.add("updates")
 
     def _update_progbar(self, batch, logs=None):

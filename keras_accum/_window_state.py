@@ -142,17 +142,20 @@ class WindowState(tf.Module):
     def add(self, gradients, normalizer, gradient_scale):
         """Adds one (finite) micro-batch: `buffer += D * scale * g`."""
         dtype = self.normalizer_dtype
-        factor = tf.cast(gradient_scale, dtype)
+        # (A scale of 1, as without replicas, costs no op.)
+        unscaled = isinstance(gradient_scale, (int, float)) and (
+            gradient_scale == 1
+        )
+        scale = 1.0 if unscaled else tf.cast(gradient_scale, dtype)
         if normalizer is None:  # a sum: counted with weight 0
-            normalizer = tf.zeros((), dtype)
+            factor, normalizer = scale, tf.zeros((), dtype)
         else:
             normalizer = tf.cast(normalizer, dtype)
-            factor = normalizer * factor
+            factor = normalizer if unscaled else normalizer * scale
         first = tf.equal(self.added_micro_batches, 0)
         _add_to_buffers(self.buffers, gradients, factor, first, self.overwrite)
         self.normalizer_sum.assign_add(normalizer)
         self.added_micro_batches.assign_add(1)
-        return tf.constant(True)
 
     def totals(self, strategy):
         """(micro-batches seen, added, normaliser sum) over the replicas, in
@@ -196,9 +199,10 @@ class WindowState(tf.Module):
         """Empties the window (stale buffers are overwritten by its next
         first micro-batch); the next window takes `next_window_steps`."""
         if self.normalizer_sum is not None:
-            self.normalizer_sum.assign(tf.zeros_like(self.normalizer_sum))
+            self.normalizer_sum.assign(tf.zeros((), self.normalizer_dtype))
+        zero = tf.zeros((), tf.int64)
         for counter in ("micro_step", "steps_in_window", "added_micro_batches"):
-            getattr(self, counter).assign(0)
+            getattr(self, counter).assign(zero)
         self.window_steps.assign(self.next_window_steps)
 
     def state(self):

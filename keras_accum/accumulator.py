@@ -284,6 +284,10 @@ class GradientAccumulator(tf.Module):
                 add()
             else:
 
+                def add_finite():
+                    add()
+                    return tf.constant(True)
+
                 def drop():
                     if policy == "drop_micro_batch":
                         window.dropped_micro_batches.assign_add(1)
@@ -294,7 +298,7 @@ class GradientAccumulator(tf.Module):
                             compat.shrink_loss_scale(optimizer)
                     return tf.constant(False)
 
-                tf.cond(_all_finite(gradients), add, drop)
+                tf.cond(_all_finite(gradients), add_finite, drop)
             window.micro_step.assign_add(1)
 
     def end_step(self, optimizer, variables):

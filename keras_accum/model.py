@@ -111,8 +111,9 @@ def _first_tensor(x):
 
 def _replica_scale():
     """Keras divides each replica's mean loss by the number of replicas; the
-    window's normaliser is global instead: the gradients are scaled back."""
-    return compat.unscale_loss_for_distribution(tf.ones(()))
+    window's normaliser is global instead: the gradients are scaled back
+    (by `unscale_loss_for_distribution`'s factor, as a number)."""
+    return float(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
 def _check_in_step_sync(model):

@@ -15,6 +15,7 @@ from conftest import RTOL
 from conftest import assert_close_to_reference
 from helpers import classification_data
 from helpers import dense_net
+from helpers import keras_version
 from helpers import twins
 
 import keras_accum
@@ -92,9 +93,14 @@ def test_progress_bar_shows_updates_as_an_integer(verbose):
     with contextlib.redirect_stdout(output):
         history = model.fit(x, y, batch_size=B, epochs=2, verbose=verbose)
     text = output.getvalue()
-    assert re.search(r"updates: 2\b(?!\.)", text), text
-    assert re.search(r"updates: 4\b(?!\.)", text), text
-    assert "updates: 2.0" not in text
+    if keras_version() < (3, 12):
+        # Keras 3.11's bar converts every value to a float; the count is
+        # still the last step's, not an average over the epoch.
+        assert "updates: 2.0000" in text and "updates: 4.0000" in text, text
+    else:
+        assert re.search(r"updates: 2\b(?!\.)", text), text
+        assert re.search(r"updates: 4\b(?!\.)", text), text
+        assert "updates: 2.0" not in text
     assert history.history["updates"] == [2, 4]
 
 
