@@ -1,12 +1,12 @@
 """The pending window in Keras' weights files (`save_own_variables`)."""
 
+import functools
 import warnings
 
 import numpy as np
 
 from keras_accum._tf_utils import per_replica_values
 from keras_accum.batch_norm import combine_moments
-from keras_accum.batch_norm import stacked_total
 
 # Keys: `keras_accum:<part>:<name>:<replica>`, beside Keras' numbered ones.
 _PREFIX = "keras_accum:"
@@ -80,11 +80,10 @@ def _to_replicas(values, replicas):
         if not name.endswith("_count"):
             continue
         group = name[: -len("_count")]
-        parts = [
-            np.asarray(statistics[group + field])
-            for field in ("_count", "_mean", "_m2")
-        ]
-        combined = combine_moments(stacked_total(*parts))
+        parts = zip(
+            *(statistics[group + field] for field in ("_count", "_mean", "_m2"))
+        )
+        combined = functools.reduce(combine_moments, parts)
         for field, value in zip(
             ("count", "mean", "m2"), (np.asarray(v) for v in combined)
         ):

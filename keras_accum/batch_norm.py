@@ -88,11 +88,9 @@ class _CallGroup(tf.Module):
     def add(self, count, mean, variance):
         """Adds one micro-batch's statistics to the window's."""
         window = (self.count, self.mean, self.m2)
-        parts = [
-            tf.stack([a.read_value(), b])
-            for a, b in zip(window, (count, mean, variance * count))
-        ]
-        combined = combine_moments(stacked_total(*parts))
+        combined = combine_moments(
+            [v.read_value() for v in window], (count, mean, variance * count)
+        )
         for variable, value in zip(window, combined):
             variable.assign(value)
 
@@ -108,26 +106,18 @@ class _CallGroup(tf.Module):
             variable.assign(tf.zeros_like(variable))
 
 
-def stacked_total(counts, means, m2s):
-    """`total` for `combine_moments` of parts stacked on the first axis."""
-
-    def total(f):
-        return [tf.reduce_sum(v, axis=0) for v in f(counts, means, m2s)]
-
-    return total
-
-
-def combine_moments(total):
-    """Chan et al.'s parallel combination of parts (count `n_i`, mean `mu_i`,
-    sum of squared deviations `M2_i`): the count, mean and M2 of their union,
-    in two passes. `total(f)` sums `f(n_i, mu_i, M2_i)`, a list of tensors,
-    over the parts (over an axis, or over the replicas in one reduction)."""
-    count, weighted = total(lambda n, mean, m2: [n, n * mean])
-    mean = tf.math.divide_no_nan(weighted, count)
-    (m2,) = total(
-        lambda n, part_mean, part_m2: [
-            part_m2 + n * tf.square(part_mean - mean)
-        ]
+def combine_moments(a, b):
+    """Chan et al.'s parallel combination: the (count, mean, M2) of the union
+    of two parts given as (count, mean, M2), M2 the sum of squared
+    deviations from the mean. (Over replicas the same sums are all-reduced
+    instead: `_update_from_replicas`.)"""
+    count_a, mean_a, m2_a = a
+    count_b, mean_b, m2_b = b
+    count = count_a + count_b
+    delta = mean_b - mean_a
+    mean = mean_a + delta * tf.math.divide_no_nan(count_b, count)
+    m2 = m2_a + m2_b + tf.square(delta) * tf.math.divide_no_nan(
+        count_a * count_b, count
     )
     return count, mean, m2
 
@@ -557,7 +547,12 @@ def _update_from_replicas(distribution, groups):
         )
         return tf.split(summed, summed.shape[0] // sum(sizes))
 
-    counts, means, m2s = combine_moments(total)
+    # `combine_moments` of all replicas at once, as sums: two all-reduces.
+    counts, weighted = total(lambda n, mean, m2: [n, n * mean])
+    means = tf.math.divide_no_nan(weighted, counts)
+    (m2s,) = total(
+        lambda n, mean, m2: [m2 + n * tf.square(mean - means)]
+    )
     _update_moving_statistics(
         list(
             zip(
