@@ -545,7 +545,15 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         finally:
             self.jit_compile = jit_compile
         function, self.train_function = self.train_function, current
-        return function
+        if micro_batch_size is None:
+            return function
+
+        def train(iterator):
+            # Read when the step is traced, also again for a new shape.
+            self._micro_batch_size = micro_batch_size
+            return function(iterator)
+
+        return train
 
     def _build_window_state(self):
         """Creates the window's variables (and the optimizer's) if needed."""
