@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import collections  # noqa: E402
+import gc  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,9 +42,53 @@ def compile_kwargs(mode):
     return dict(MODES[mode])
 
 
+@pytest.fixture
+def in_step():
+    """Whether `helpers.fit_side_by_side` trains ours with the micro-batches
+    inside the train step (`micro_batch_size`) rather than one per step:
+    tests/test_in_step.py overrides it to run tests of other files again
+    in that mode."""
+    return False
+
+
 def _set_precision(dtype):
     keras.config.set_floatx(dtype)
     keras.config.set_dtype_policy(dtype)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _freeze_imported_objects():
+    """Keeps the objects that exist before the first test (those of the
+    modules imported: TensorFlow, Keras, keras-hub, ...; some 400,000) out
+    of the garbage collector's scans: `keras.backend.clear_session()`
+    collects garbage after every test (`_restore_precision`), and scanning
+    them all costs some 0.2 to 0.7 s per test. They live as long as the
+    modules anyway."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "background(start=...): the test reads child processes that "
+        "`start(tmp_path_factory)` starts in the background "
+        "(tests/background.py), with the first test.",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_runs(request, tmp_path_factory):
+    """Starts, with the first test, the child processes that the
+    selected tests read (`background.py`, the `background` mark)."""
+    starts = {}
+    for item in request.session.items:
+        for mark in item.iter_markers("background"):
+            starts.setdefault(mark.kwargs["start"], None)
+    for start in starts:
+        start(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)

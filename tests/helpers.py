@@ -103,11 +103,6 @@ def twins(build, steps, **kwargs):
     return reference, ours
 
 
-# Set by tests/test_in_step.py: `fit_side_by_side` then trains ours with
-# the micro-batches inside the train step (`micro_batch_size`).
-IN_STEP = False
-
-
 def _in_step(ours, micro_batch, steps):
     """Ours with micro-batches of `micro_batch` inside each step.
 
@@ -163,10 +158,15 @@ def fit_side_by_side(
     epochs=1,
     loss_weights=None,
     metrics=None,
+    in_step=False,
     **fit_kwargs,
 ):
     """Trains `reference` on batches of `steps * micro_batch` and `ours` on
     micro-batches of `micro_batch`, same samples, same order.
+
+    `in_step`: ours with the micro-batches inside the train step
+    (`micro_batch_size`, see `_in_step()`), as the `in_step` fixture says
+    (True in tests/test_in_step.py).
 
     Returns:
         (initial weights, reference History, our History)
@@ -174,7 +174,7 @@ def fit_side_by_side(
     initial = [np.array(w) for w in reference.get_weights()]
     histories = []
     batch, check = micro_batch, None
-    if IN_STEP:
+    if in_step:
         batch, check = _in_step(ours, micro_batch, steps)
     for model, batch in ((reference, steps * micro_batch), (ours, batch)):
         model.compile(

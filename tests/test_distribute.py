@@ -1,12 +1,15 @@
 """`tf.distribute`: exactness across replicas and one all-reduce per update.
 
 The cases run in `tests/distributed/worker.py`, one after the other in one
-fresh process (a pair of them for multi-worker), so that the logical
-devices and the cluster do not leak into other tests. For each case the
-worker trains `GradientAccumulationModel` under the strategy (graph mode)
-and the reference, plain `keras.Model` on one device with one big batch per
-window of the same samples, and prints the relative update difference
-(float64) and the cross-device reductions executed inside each train step.
+fresh process (a pair of them for multi-worker), so that the logical devices
+and the cluster do not leak into other tests. The process under
+`MirroredStrategy` also runs the saved-window case and the in-step cases of
+tests/test_in_step.py; it starts in the background with the first test
+(`background.py`), and the tests read its results. For each case the worker
+trains `GradientAccumulationModel` under the strategy (graph mode) and the
+reference, plain `keras.Model` on one device with one big batch per window
+of the same samples, and prints the relative update difference (float64) and
+the cross-device reductions executed inside each train step.
 
 The `dropped` case (`non_finite_policy="drop_micro_batch"`) drops every
 micro-batch of one window on one replica only: the update must be the big
@@ -31,12 +34,10 @@ import subprocess
 import sys
 
 import pytest
+from background import start
 from helpers import masked_mean_rtol
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
-SAVE_WORKER = os.path.join(
-    os.path.dirname(__file__), "distributed", "save_worker.py"
-)
 TIMEOUT = 240
 # Per update: the optimizer's all-reduce of the gradients, and one of three
 # scalars (micro-batches, accumulated micro-batches, normaliser).
@@ -46,6 +47,14 @@ PER_UPDATE = 2
 BN_PER_UPDATE = 2
 CASES = ["default", "masked", "overflow", "batchnorm", "dropped"]
 MULTI_WORKER_CASES = ["masked", "overflow", "batchnorm"]
+# The cases of the process under `MirroredStrategy`, one after the other:
+# the saved window (`distributed/save_worker.py`) first, then the changing-N
+# case (`masked:schedule`) after `CASES`, then those of tests/test_in_step.py
+# (micro-batches inside the step).
+MIRRORED_RUN = (
+    ["save"] + CASES + ["masked:schedule", "masked:in_step",
+                        "batchnorm:in_step"]
+)
 
 
 def _env(extra=None):
@@ -55,8 +64,23 @@ def _env(extra=None):
     return env
 
 
-def _result(stdout):
-    return json.loads(stdout.strip().splitlines()[-1])
+def start_background_runs(tmp_path_factory):
+    """Starts the process under `MirroredStrategy` in the background (with
+    the first test); returns the run."""
+    return start(
+        tmp_path_factory, "distributed_mirrored",
+        [sys.executable, WORKER, "--strategy", "mirrored",
+         "--case", *MIRRORED_RUN],
+        _env(), timeout=TIMEOUT * len(MIRRORED_RUN),
+    )
+
+
+def mirrored_results(tmp_path_factory):
+    """The JSON line of each case of `MIRRORED_RUN`, by case, once the
+    process has ended."""
+    run = start_background_runs(tmp_path_factory).wait()
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _results(run.stdout, MIRRORED_RUN)
 
 
 def _results(stdout, cases):
@@ -112,17 +136,11 @@ def _log_reductions(result):
     )
 
 
-def test_mirrored_strategy():
+@pytest.mark.background(start=start_background_runs)
+def test_mirrored_strategy(tmp_path_factory):
     # All cases in one process, one after the other, with the changing-N
-    # case (`masked:schedule`) last.
-    cases = CASES + ["masked:schedule"]
-    run = subprocess.run(
-        [sys.executable, WORKER, "--strategy", "mirrored", "--case", *cases],
-        capture_output=True, text=True, timeout=TIMEOUT * len(cases),
-        env=_env(),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = _results(run.stdout, cases)
+    # case (`masked:schedule`) after them (`MIRRORED_RUN`).
+    results = mirrored_results(tmp_path_factory)
     for case in CASES:
         _check_mirrored(results[case], case)
     _check_changing_steps(results["masked:schedule"])
@@ -244,16 +262,12 @@ def _scce():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def test_pending_window_saved_per_replica():
+@pytest.mark.background(start=start_background_runs)
+def test_pending_window_saved_per_replica(tmp_path_factory):
     # `.keras` saved at micro_step 2, 1 and 3 under `MirroredStrategy`:
     # restored on the same two replicas, or merged onto one device, the
     # rest of the epoch ends where the uninterrupted run does.
-    run = subprocess.run(
-        [sys.executable, SAVE_WORKER], capture_output=True, text=True,
-        timeout=TIMEOUT, env=_env(),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = _result(run.stdout)
+    result = mirrored_results(tmp_path_factory)["save"]
     assert result["micro_steps"] == [2, 1, 3]
     assert result["same_replicas"] <= 1e-12, result
     assert result["one_device"] <= 1e-9, result

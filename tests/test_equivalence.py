@@ -36,12 +36,15 @@ def scce():
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_default_reduction(optimizer, precision, mode, compile_kwargs):
+def test_default_reduction(
+    optimizer, precision, mode, compile_kwargs, in_step
+):
     x, y = classification_data(n=48)
     reference, ours = twins(dense_net, steps=4)
     initial, ref_hist, our_hist = fit_side_by_side(
         reference, ours, x, y, 4, 4, OPTIMIZERS[optimizer], scce(),
         compile_kwargs, epochs=2,
+        in_step=in_step,
     )
     assert_close_to_reference(
         f"a. default reduction, {optimizer}, {precision}",
@@ -61,7 +64,7 @@ def test_default_reduction(optimizer, precision, mode, compile_kwargs):
 @pytest.mark.parametrize(
     "reduction", ["sum_over_batch_size", "mean_with_sample_weight"]
 )
-def test_sample_weight(reduction, float64, mode, compile_kwargs):
+def test_sample_weight(reduction, float64, mode, compile_kwargs, in_step):
     x, y = classification_data(n=32)
     sample_weight = np.linspace(0.1, 3.0, len(x)) ** 2
     loss = keras.losses.SparseCategoricalCrossentropy(
@@ -71,6 +74,7 @@ def test_sample_weight(reduction, float64, mode, compile_kwargs):
     initial, _, _ = fit_side_by_side(
         reference, ours, x, y, 4, 4, OPTIMIZERS["adam"], loss,
         compile_kwargs, sample_weight=sample_weight,
+        in_step=in_step,
     )
     assert_close_to_reference(
         f"b. sample_weight, reduction={reduction}",
@@ -78,7 +82,7 @@ def test_sample_weight(reduction, float64, mode, compile_kwargs):
     )
 
 
-def test_sum_reduction(float64, mode, compile_kwargs):
+def test_sum_reduction(float64, mode, compile_kwargs, in_step):
     # A sum over samples has no normaliser: the window divides by 1, and the
     # sum of the micro-batches' gradients is the big batch's.
     x, y = classification_data(n=32)
@@ -89,6 +93,7 @@ def test_sum_reduction(float64, mode, compile_kwargs):
     initial, _, _ = fit_side_by_side(
         reference, ours, x, y, 4, 4, OPTIMIZERS["sgd_momentum"], loss,
         compile_kwargs,
+        in_step=in_step,
     )
     assert_close_to_reference(
         "b. reduction='sum'",
@@ -96,7 +101,9 @@ def test_sum_reduction(float64, mode, compile_kwargs):
     )
 
 
-def test_short_last_micro_batch_and_window(precision, mode, compile_kwargs):
+def test_short_last_micro_batch_and_window(
+    precision, mode, compile_kwargs, in_step
+):
     # 37 samples, B=5, N=3: micro-batches 5,5,5 | 5,5,5 | 5,2 per epoch; the
     # big batch of 15 gives 15 | 15 | 7.
     x, y = classification_data(n=37)
@@ -104,6 +111,7 @@ def test_short_last_micro_batch_and_window(precision, mode, compile_kwargs):
     initial, _, _ = fit_side_by_side(
         reference, ours, x, y, 5, 3, OPTIMIZERS["adam"], scce(),
         compile_kwargs, epochs=2,
+        in_step=in_step,
     )
     assert int(ours.optimizer.iterations) == 6
     assert int(ours.micro_step) == 0
@@ -140,7 +148,7 @@ def test_carry_over_across_epochs(float64, mode, compile_kwargs):
 @pytest.mark.parametrize(
     "reduction", ["sum_over_batch_size", "mean_with_sample_weight"]
 )
-def test_ignore_class(reduction, float64, mode, compile_kwargs):
+def test_ignore_class(reduction, float64, mode, compile_kwargs, in_step):
     x, y = segmentation_data(n=16)
     loss = keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, ignore_class=255, reduction=reduction
@@ -149,6 +157,7 @@ def test_ignore_class(reduction, float64, mode, compile_kwargs):
     initial, _, _ = fit_side_by_side(
         reference, ours, x, y, 2, 4, OPTIMIZERS["sgd_momentum"], loss,
         compile_kwargs, epochs=2,
+        in_step=in_step,
     )
     assert_close_to_reference(
         f"d. ignore_class, reduction={reduction}",
@@ -197,7 +206,9 @@ def test_builtin_option_differs_from_big_batch(case, float64):
     assert diff > 1e-2
 
 
-def test_keras_mask_on_predictions(float64, mode, compile_kwargs):
+def test_keras_mask_on_predictions(
+    float64, mode, compile_kwargs, in_step
+):
     """A Keras mask on `y_pred` (padded time steps) is normalised per window."""
     rng = np.random.default_rng(1)
     x = rng.normal(size=(12, 6, 3))
@@ -215,6 +226,7 @@ def test_keras_mask_on_predictions(float64, mode, compile_kwargs):
     initial, _, _ = fit_side_by_side(
         reference, ours, x, y, 2, 3, OPTIMIZERS["adam"], "mse",
         compile_kwargs,
+        in_step=in_step,
     )
     assert_close_to_reference(
         "d. Keras mask on y_pred",
@@ -224,7 +236,7 @@ def test_keras_mask_on_predictions(float64, mode, compile_kwargs):
 
 
 def test_multi_output_loss_weights_and_regularisers(
-    float64, mode, compile_kwargs
+    float64, mode, compile_kwargs, in_step
 ):
     x, y = classification_data(n=24)
     y_reg = np.sin(x[:, :2])
@@ -255,6 +267,7 @@ def test_multi_output_loss_weights_and_regularisers(
     initial, _, _ = fit_side_by_side(
         reference, ours, x, [y, y_reg], 2, 3, OPTIMIZERS["adam"],
         [scce(), "mse"], compile_kwargs, loss_weights=[1.0, 0.3], epochs=2,
+        in_step=in_step,
     )
     assert_close_to_reference(
         "e. multi-output, loss_weights, regularisers",
@@ -262,19 +275,22 @@ def test_multi_output_loss_weights_and_regularisers(
     )
 
 
-def test_one_step_trains_exactly_like_keras_model(mode, compile_kwargs):
+def test_one_step_trains_exactly_like_keras_model(
+    mode, compile_kwargs, in_step
+):
     x, y = classification_data(n=24)
     reference, ours = twins(dense_net, steps=1)
     fit_side_by_side(
         reference, ours, x, y, 8, 1, OPTIMIZERS["adam"], scce(),
         compile_kwargs, epochs=2,
+        in_step=in_step,
     )
     for a, b in zip(reference.get_weights(), ours.get_weights()):
         np.testing.assert_array_equal(a, b)
 
 
 def test_steps_per_execution_validation_evaluate_predict(
-    float64, mode, compile_kwargs
+    float64, mode, compile_kwargs, in_step
 ):
     x, y = classification_data(n=40)
     x_val, y_val = classification_data(n=12, seed=1)
@@ -285,6 +301,7 @@ def test_steps_per_execution_validation_evaluate_predict(
         dict(compile_kwargs, steps_per_execution=3),
         epochs=2, validation_data=(x_val, y_val),
         metrics=["sparse_categorical_accuracy"],
+        in_step=in_step,
     )
     assert_close_to_reference(
         "steps_per_execution=3 with validation",

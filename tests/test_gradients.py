@@ -15,7 +15,9 @@ def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def test_none_gradients_for_unused_variables(float64, mode, compile_kwargs):
+def test_none_gradients_for_unused_variables(
+    float64, mode, compile_kwargs, in_step
+):
     """A head without a loss gets `None` gradients: Adam leaves it alone."""
     x, y = classification_data(n=24)
 
@@ -32,6 +34,7 @@ def test_none_gradients_for_unused_variables(float64, mode, compile_kwargs):
         reference, ours, x, {"cls": y, "unused": np.zeros((24, 2))}, 2, 3,
         lambda: keras.optimizers.Adam(0.05), {"cls": _loss()},
         compile_kwargs,
+        in_step=in_step,
     )
     assert_close_to_reference(
         "None gradients (unused head)",
@@ -53,13 +56,14 @@ def _token_data():
     return x, y
 
 
-def test_indexed_slices_from_embedding(float64, mode, compile_kwargs):
+def test_indexed_slices_from_embedding(float64, mode, compile_kwargs, in_step):
     x, y = _token_data()
     reference, ours = twins(_embedding_model, steps=4)
     initial, _, _ = fit_side_by_side(
         reference, ours, x, y, 2, 4,
         lambda: keras.optimizers.SGD(0.5, momentum=0.9), _loss(),
         compile_kwargs, epochs=2,
+        in_step=in_step,
     )
     assert_close_to_reference(
         "IndexedSlices (Embedding), SGD momentum",

@@ -1,17 +1,13 @@
 """Micro-batches inside the train step (`micro_batch_size`, issue #16).
 
 The exactness tests of the cross-step mode run again here with the
-micro-batches inside the step, in float64: ours trains on batches of
-`N * B` (or of `N * B / 2`, two steps per window) split into micro-batches
-of `B`, against plain `keras.Model` on batches of `N * B`, and checks that
-its first layer saw `B` rows at most in training. (The optimizer-feature
-counting and `IndexedSlices`-with-Adam cases add no path of their own.)
-Below them, what is specific to the mode.
+micro-batches inside the step (the `in_step` fixture, overridden here), in
+float64: ours trains on batches of `N * B` (or of `N * B / 2`, two steps per
+window) split into micro-batches of `B`, against plain `keras.Model` on
+batches of `N * B`, and checks that its first layer saw `B` rows at most in
+training. (The optimizer-feature counting and `IndexedSlices`-with-Adam
+cases add no path of their own.) Below them, what is specific to the mode.
 """
-
-import json
-import subprocess
-import sys
 
 import helpers
 import keras
@@ -31,9 +27,8 @@ from test_batch_norm import _fit as bn_fit
 from test_batch_norm import _moving
 from test_batch_norm import _regression_data
 from test_batch_norm import bn_on_input
-from test_distribute import TIMEOUT
-from test_distribute import WORKER
-from test_distribute import _env
+from test_distribute import mirrored_results
+from test_distribute import start_background_runs
 from test_equivalence import scce
 from test_mixed_precision import MIXED_UPDATE_RTOL
 from test_mixed_precision import _data as mp_data
@@ -58,9 +53,11 @@ from test_gradients import test_indexed_slices_from_embedding  # noqa: F401
 from test_gradients import test_none_gradients_for_unused_variables  # noqa: F401
 
 
-@pytest.fixture(autouse=True)
-def _in_step(monkeypatch):
-    monkeypatch.setattr(helpers, "IN_STEP", True)
+@pytest.fixture
+def in_step():
+    """The tests imported above run with the micro-batches inside the train
+    step (`helpers.fit_side_by_side`)."""
+    return True
 
 
 @pytest.fixture
@@ -69,24 +66,21 @@ def precision(float64):
     return float64
 
 
-def test_default_reduction(precision, mode, compile_kwargs):
+def test_default_reduction(precision, mode, compile_kwargs, in_step):
     """With AdamW (the optimizer adds no path of its own here)."""
     test_equivalence.test_default_reduction(
-        "adamw", precision, mode, compile_kwargs
+        "adamw", precision, mode, compile_kwargs, in_step
     )
 
 
+@pytest.mark.background(start=start_background_runs)
 @pytest.mark.parametrize("case", ["masked", "batchnorm"])
-def test_mirrored_strategy(case):
+def test_mirrored_strategy(case, tmp_path_factory):
     """Two replicas, each splitting its half of every batch of 12 into
-    micro-batches of 2 (the last batch: 6, so 2 + 1 per replica)."""
-    run = subprocess.run(
-        [sys.executable, WORKER, "--strategy", "mirrored", "--case", case,
-         "--in-step"],
-        capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    micro-batches of 2 (the last batch: 6, so 2 + 1 per replica). The
+    case `CASE:in_step` of tests/test_distribute.py's process under
+    `MirroredStrategy` (`MIRRORED_RUN`, in the background)."""
+    result = mirrored_results(tmp_path_factory)[f"{case}:in_step"]
     rtol = masked_mean_rtol(1e-9) if case == "masked" else 1e-9
     assert result["relative_update_difference"] <= rtol, result
     assert result["iterations"] == result["reference_iterations"] == 6

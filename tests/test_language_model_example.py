@@ -11,10 +11,10 @@ bucketed run recovers from running out of memory in the middle of an epoch.
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+from background import start
 
 EXAMPLES = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"
@@ -25,6 +25,25 @@ import example_utils  # noqa: E402
 import language_model  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MEMORY_LIMIT_MB = 26
+
+
+def start_background_runs(tmp_path_factory):
+    """Starts `language_model.py --memory-limit-mb` in a child (a CPU limit,
+    set before TensorFlow starts), in the background, with the first test:
+    its out-of-memory errors each cost about 10 s of the allocator's waiting
+    (`background.py`). Its folder is its output dir."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(example_utils.cpu_limit_environment(MEMORY_LIMIT_MB))
+    return start(
+        tmp_path_factory, "language_model_memory_limit",
+        lambda folder: [
+            sys.executable, os.path.join(EXAMPLES, "language_model.py"),
+            "--smoke", "--memory-limit-mb", str(MEMORY_LIMIT_MB),
+            "--output-dir", str(folder),
+        ],
+        env,
+    )
 
 
 def test_language_model_smoke(tmp_path):
@@ -76,18 +95,15 @@ def test_language_model_rejects_bad_flags(flags, message, tmp_path):
         language_model.main(["--smoke", "--output-dir", str(tmp_path), *flags])
 
 
-def test_language_model_memory_limit_recovers_mid_epoch(tmp_path):
+@pytest.mark.background(start=start_background_runs)
+def test_language_model_memory_limit_recovers_mid_epoch(tmp_path_factory):
     # In 26 MiB (a CPU limit, set before TensorFlow starts: a child process)
     # a batch of 256 sequences of 16 tokens fits whole, and the micro-batch
     # "auto" guesses for the longer buckets from it runs out of memory:
     # attention's memory grows with the square of the length.
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
-    env.update(example_utils.cpu_limit_environment(26))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "language_model.py"),
-         "--smoke", "--memory-limit-mb", "26", "--output-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True,
-    )
+    run = start_background_runs(tmp_path_factory)
+    proc = run.wait()
+    tmp_path = run.folder
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "language_model_memory.json") as f:
         numbers = json.load(f)

@@ -2,13 +2,16 @@
 
 A training process is killed with SIGKILL in the middle of a window (and of
 an epoch), in validation, and between an epoch's last batch backup and its
-validation, started again with the same command each time; it must resume
+validation, started again with the same arguments each time; it must resume
 from the backup before the kill and end with the weights of the
 uninterrupted run (float64), for input of known and of unknown length,
-in-step micro-batches and Dropout. Keras' own `BackupAndRestore` restarts
-the interrupted epoch from its first batch instead. Damaged backups (a
-truncated weights file, a garbage pointer or position) fall back to the
-previous backup, with a warning that names the file.
+in-step micro-batches and Dropout. (Each run is a process of its own, forked
+from one that imported TensorFlow once, before any TensorFlow op ran:
+`resume/restarts.py`, in the background from the first test.) Keras' own
+`BackupAndRestore` restarts the interrupted epoch from its first batch
+instead. Damaged backups (a truncated weights file, a garbage pointer or
+position) fall back to the previous backup, with a warning that names the
+file.
 """
 
 import importlib.util
@@ -17,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 
 import h5py
@@ -25,6 +27,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from background import start
 from conftest import record
 from conftest import relative_difference
 
@@ -32,21 +35,50 @@ import keras_accum
 from keras_accum.callbacks import BackupAndRestore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "resume", "train.py")
+RESTARTS = os.path.join(os.path.dirname(__file__), "resume", "restarts.py")
 _spec = importlib.util.spec_from_file_location("resume_train", SCRIPT)
 train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train)
 
 
-def _run(tmp_path, options):
-    out = tmp_path / "resumed.npz"
-    command = [
-        sys.executable, SCRIPT, str(out), str(tmp_path / "resumed_backup"),
-    ] + options
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    process = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=300
+def start_background_runs(tmp_path_factory):
+    """Starts, in the background with the first test, the killed
+    and resumed runs of `KILLED_RUNS`: case after case, run after run, each
+    run a process of its own, forked from one that imported TensorFlow once
+    (`resume/restarts.py`). Case `i`'s runs write to `OUT_FILE`
+    `case<i>/resumed.npz` of the run's folder, back up into
+    `case<i>/resumed_backup` and log where they start in
+    `case<i>/starts.jsonl`. Returns the run."""
+
+    def command(folder):
+        groups = {}
+        for i, (options, kills, _) in enumerate(KILLED_RUNS.values()):
+            case = folder / f"case{i}"
+            restarted = [str(case / "resumed.npz"),
+                         str(case / "resumed_backup"), *options,
+                         "--log", str(case / "starts.jsonl")]
+            # Killed at each of `kills`, then run to its end.
+            groups[f"case{i}"] = [
+                restarted + ["--kill", kill_at] for kill_at in kills
+            ] + [restarted]
+        return [sys.executable, RESTARTS, json.dumps(groups)]
+
+    return start(
+        tmp_path_factory, "resume_killed_runs", command,
+        dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        timeout=300 * sum(len(k) + 1 for _, k, _ in KILLED_RUNS.values()),
     )
-    return process, out
+
+
+def _killed_runs(tmp_path_factory, case):
+    """The folder of `case`'s runs, and each run's exit code, whether
+    `OUT_FILE` existed after it, and its stderr."""
+    run = start_background_runs(tmp_path_factory)
+    done = run.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    group = f"case{list(KILLED_RUNS).index(case)}"
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    return run.folder / group, [r for r in results if r["group"] == group]
 
 
 def _weights(path):
@@ -90,20 +122,22 @@ KILLED_RUNS = {
 }
 
 
+@pytest.mark.background(start=start_background_runs)
 @pytest.mark.parametrize("case", list(KILLED_RUNS))
-def test_killed_run_resumes_exactly(tmp_path, case):
+def test_killed_run_resumes_exactly(tmp_path, tmp_path_factory, case):
     options, kills, starts = KILLED_RUNS[case]
     # The uninterrupted run, in this process.
     reference = tmp_path / "reference.npz"
     train.main([str(reference), str(tmp_path / "r"), *options])
-    log = tmp_path / "starts.jsonl"
-    options = options + ["--log", str(log)]
-    for kill_at in kills:
-        killed, out = _run(tmp_path, options + ["--kill", kill_at])
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-        assert not out.exists()
-    resumed, out = _run(tmp_path, options)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The killed ones and the resumed one (`start_background_runs`).
+    folder, runs = _killed_runs(tmp_path_factory, case)
+    assert len(runs) == len(kills) + 1, runs
+    *killed_runs, resumed = runs
+    for killed in killed_runs:
+        assert killed["returncode"] == -signal.SIGKILL, killed["stderr"]
+        assert not killed["out_exists"]
+    assert resumed["returncode"] == 0, resumed["stderr"]
+    log, out = folder / "starts.jsonl", folder / "resumed.npz"
     # Each restart resumed from the backup before its kill.
     assert [json.loads(line) for line in log.read_text().splitlines()] == (
         starts
@@ -112,7 +146,7 @@ def test_killed_run_resumes_exactly(tmp_path, case):
     record(f"resumed after SIGKILL ({case})", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
     # A completed run removes its backups.
-    assert not (tmp_path / "resumed_backup").exists()
+    assert not (folder / "resumed_backup").exists()
 
 
 class _Interrupt(keras.callbacks.Callback):

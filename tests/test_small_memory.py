@@ -8,15 +8,21 @@ memory at the effective batch E, so the limit is real; keras_accum with
 E ends without a limit (float64), with the same metrics: the steps that ran
 out of memory were rolled back without a trace in weights, optimizer,
 metrics or seed generators.
+
+The children start all at once, in the background, with the first test
+(`background.py`), forked from one process that imported TensorFlow: they
+spend most of their time in the allocator's waits at each out-of-memory
+error.
 """
 
 import json
 import os
-import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
+from background import start
 from conftest import record
 from conftest import relative_difference
 
@@ -24,27 +30,76 @@ from small_memory import scenarios
 
 CHILD = os.path.join(os.path.dirname(__file__), "small_memory", "child.py")
 LIMIT_MB = 110
+# The children, by test: each one's scenarios, one after the other in one
+# process of its own, and its limit.
+CHILDREN = {
+    "plain_auto": (("plain", "auto"), LIMIT_MB),
+    "fixed_tiny": (("fixed", "tiny"), LIMIT_MB),
+    "growing": (("growing",), scenarios.HOG_LIMIT_MB),
+    "dropout": (("dropout",), scenarios.HOG_LIMIT_MB),
+    "jit_mixed": (("jit", "mixed"), LIMIT_MB),
+    "mirrored": (("mirrored",), LIMIT_MB),
+}
 
 
-def _small_device(tmp_path, *names, limit_mb=LIMIT_MB):
-    """Runs scenarios `names` in a child on the small device; returns a
-    reader of each one's result (weights, history, output, error)."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(
-        [sys.executable, CHILD, str(limit_mb), str(tmp_path)] + list(names),
-        env=env, capture_output=True, text=True, timeout=600,
+def start_background_runs(tmp_path_factory):
+    """Starts every child at once, in the background (`background.py`),
+    with the first test: they spend most of their time in the
+    allocator's 10 s waits at each out-of-memory error. (Forked from one
+    process that imports TensorFlow once: `small_memory/child.py`.)
+    Returns the run."""
+    return start(
+        tmp_path_factory, "small_memory",
+        lambda folder: [sys.executable, CHILD, str(folder)] + [
+            f"{child}:{limit_mb}:{','.join(names)}"
+            for child, (names, limit_mb) in CHILDREN.items()
+        ],
+        dict(os.environ, CUDA_VISIBLE_DEVICES=""),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
 
-    def read(name):
-        with open(tmp_path / f"{name}.json") as f:
-            info = json.load(f)
-        if "error" not in info:
-            with np.load(tmp_path / f"{name}.npz") as saved:
-                info["weights"] = [saved[k] for k in saved.files]
-        return info
 
-    return read
+@pytest.fixture(scope="module")
+def small_device(tmp_path_factory):
+    """`wait(child)`: waits for the children and returns a reader of each
+    of that child's scenarios' results (weights, history, output, error)."""
+    run = start_background_runs(tmp_path_factory)
+
+    def wait(child):
+        done = run.wait()
+        folder = run.folder / child
+        stderr = done.stderr
+        if (folder / "stderr").exists():
+            stderr += (folder / "stderr").read_text()
+        assert (folder / "returncode").exists(), stderr[-3000:]
+        assert (folder / "returncode").read_text() == "0", stderr[-3000:]
+
+        def read(name):
+            with open(folder / f"{name}.json") as f:
+                info = json.load(f)
+            if "error" not in info:
+                with np.load(folder / f"{name}.npz") as saved:
+                    info["weights"] = [saved[k] for k in saved.files]
+            return info
+
+        return read
+
+    return wait
+
+
+@pytest.fixture(scope="module")
+def auto_reference():
+    """Plain Keras at the effective batch without a limit: weights,
+    optimizer iterations and history (read by two tests)."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    try:
+        model, history = scenarios.reference("auto")
+        return (
+            model.get_weights(), int(model.optimizer.iterations), history
+        )
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
+        keras.backend.clear_session()
 
 
 def _assert_history_close(history, reference):
@@ -55,17 +110,20 @@ def _assert_history_close(history, reference):
         np.testing.assert_allclose(history[key], values, rtol=1e-6)
 
 
-def test_auto_trains_the_effective_batch_exactly(tmp_path, float64):
+@pytest.mark.background(start=start_background_runs)
+def test_auto_trains_the_effective_batch_exactly(
+    small_device, auto_reference, float64
+):
     # Arrays, `steps_per_execution=2`, metrics.
-    small_device = _small_device(tmp_path, "plain", "auto")
+    small_device = small_device("plain_auto")
     # Plain Keras at the effective batch runs out: the limit is real.
     assert small_device("plain")["error"] == "ResourceExhaustedError"
     info = small_device("auto")
-    reference, history = scenarios.reference("auto")
-    diff = relative_difference(reference.get_weights(), info["weights"])
+    weights, iterations, history = auto_reference
+    diff = relative_difference(weights, info["weights"])
     record(f"micro_batch_size='auto' under {LIMIT_MB} MiB vs plain Keras", diff)
     assert diff <= 1e-9
-    assert info["iterations"] == int(reference.optimizer.iterations) == 8
+    assert info["iterations"] == iterations == 8
     assert 1 <= info["micro_batch_size"] < scenarios.E
     # The rolled-back steps left no trace in the logged metrics.
     _assert_history_close(info["history"], history)
@@ -78,8 +136,9 @@ def test_auto_trains_the_effective_batch_exactly(tmp_path, float64):
     ) in lines
 
 
-def test_sizes_that_do_not_fit_say_what_would(tmp_path):
-    small_device = _small_device(tmp_path, "fixed", "tiny")
+@pytest.mark.background(start=start_background_runs)
+def test_sizes_that_do_not_fit_say_what_would(small_device):
+    small_device = small_device("fixed_tiny")
     info = small_device("fixed")
     assert info["error"] == "ResourceExhaustedError"
     message = info["message"]
@@ -94,13 +153,12 @@ def test_sizes_that_do_not_fit_say_what_would(tmp_path):
     ) in message
 
 
-def test_inputs_that_grow_within_an_epoch_are_recovered(tmp_path, float64):
+@pytest.mark.background(start=start_background_runs)
+def test_inputs_that_grow_within_an_epoch_are_recovered(small_device, float64):
     # A pipeline with no image size in its spec: 32x32 images, then 64x64,
     # windows of three steps.
-    info = _small_device(
-        tmp_path, "growing", limit_mb=scenarios.HOG_LIMIT_MB
-    )("growing")
     reference, _ = scenarios.reference("growing")
+    info = small_device("growing")("growing")
     diff = relative_difference(reference.get_weights(), info["weights"])
     record("'auto', inputs growing mid-epoch, vs plain Keras", diff)
     assert diff <= 1e-9
@@ -117,13 +175,12 @@ def test_inputs_that_grow_within_an_epoch_are_recovered(tmp_path, float64):
     assert info["micro_batch_size"] == 16
 
 
-def test_rolled_back_steps_leave_the_seed_generators(tmp_path, float64):
+@pytest.mark.background(start=start_background_runs)
+def test_rolled_back_steps_leave_the_seed_generators(small_device, float64):
     # Dropout draws from a seed generator in every micro-batch: a failed
     # step that advanced it would change every mask after it. The same
     # micro-batches, chosen upfront, without a limit: the same weights.
-    info = _small_device(
-        tmp_path, "dropout", limit_mb=scenarios.HOG_LIMIT_MB
-    )("dropout")
+    info = small_device("dropout")("dropout")
     assert "Out of memory with micro-batches of 32" in info["stdout"]
     assert info["micro_batch_size"] == 16
     model, history = scenarios.run(
@@ -135,10 +192,11 @@ def test_rolled_back_steps_leave_the_seed_generators(tmp_path, float64):
     _assert_history_close(info["history"], history)
 
 
-def test_auto_with_xla_and_mixed_precision(tmp_path, float64):
+@pytest.mark.background(start=start_background_runs)
+def test_auto_with_xla_and_mixed_precision(small_device, float64):
     # Each compared with the same micro-batches, chosen upfront, without a
     # limit (and so without a rolled-back step).
-    small_device = _small_device(tmp_path, "jit", "mixed")
+    small_device = small_device("jit_mixed")
     for name, rtol in (("jit", 1e-9), ("mixed", 1e-5)):
         info = small_device(name)
         assert "Out of memory" in info["stdout"]
@@ -156,13 +214,14 @@ def test_auto_with_xla_and_mixed_precision(tmp_path, float64):
     )
 
 
-def test_auto_per_replica(tmp_path, float64):
+@pytest.mark.background(start=start_background_runs)
+def test_auto_per_replica(small_device, auto_reference, float64):
     # Two replicas (logical CPUs): each replica's half of the batch is
     # split as far as it must be.
-    info = _small_device(tmp_path, "mirrored")("mirrored")
+    info = small_device("mirrored")("mirrored")
     assert "of the batch of 16 per replica fit in" in info["stdout"]
-    reference, history = scenarios.reference("auto")
-    diff = relative_difference(reference.get_weights(), info["weights"])
+    weights, _, _ = auto_reference
+    diff = relative_difference(weights, info["weights"])
     record("'auto' on 2 replicas vs plain Keras", diff)
     assert diff <= 1e-9
     assert info["iterations"] == 8

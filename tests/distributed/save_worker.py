@@ -3,7 +3,9 @@
 Each file is also loaded and its window applied at once with
 `flush_gradients()`, before any train step was traced.
 
-Run by `tests/test_distribute.py` in a subprocess (two logical CPU devices).
+Run by `worker.py --case save` (the `save` case of its process under
+`MirroredStrategy`) for `tests/test_distribute.py`, or on its own (two
+logical CPU devices).
 Trains `GradientAccumulationModel` (with BatchNormalization) on two replicas
 and saves `.keras` files in the middle of windows; each is loaded (a) under
 the same strategy and (b) on one device (the window merged into one
@@ -32,12 +34,20 @@ def main():
     )
     import keras
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    import keras_accum
-
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    print(json.dumps(run(strategy)))
+
+
+def run(strategy):
+    """Saves, restores and compares under `strategy` (two replicas on
+    "/cpu:0" and "/cpu:1", float64); returns the largest differences."""
+    import keras
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    import keras_accum
+
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(8 * BATCH, 6)), rng.normal(size=(8 * BATCH, 1))
 
@@ -113,7 +123,7 @@ def main():
         expected = reference.get_weights()
         result["flushed"] = max(result["flushed"], difference(model))
     result["iterations"] = int(uninterrupted.optimizer.iterations.numpy())
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

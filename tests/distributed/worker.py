@@ -7,7 +7,11 @@ per case.
 Usage:
     python worker.py --strategy mirrored --case masked
     python worker.py --strategy mirrored --case batchnorm default masked:schedule
+    python worker.py --strategy mirrored --case save masked masked:in_step
     TF_CONFIG=... python worker.py --strategy multiworker --case default
+
+`save` (mirrored only, run first, before the reductions are counted) is
+`save_worker.py`'s run, printed as its JSON line with `"case": "save"`.
 """
 
 import argparse
@@ -169,7 +173,8 @@ def main():
     parser.add_argument(
         "--case", nargs="+", default=["default"],
         help="Cases to run one after the other, one JSON line each; "
-        "CASE:schedule runs CASE as with --schedule.",
+        "CASE:schedule runs CASE as with --schedule, CASE:in_step as with "
+        "--in-step; save: save_worker.py's run.",
     )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-count", action="store_true")
@@ -184,12 +189,21 @@ def main():
     )
     args = parser.parse_args()
     runs = []
+    save = "save" in args.case
+    if save and args.strategy != "mirrored":
+        parser.error("the save case runs under --strategy mirrored only")
     for spec in args.case:
+        if spec == "save":
+            continue
         case, _, option = spec.partition(":")
-        if case not in CASES or option not in ("", "schedule"):
+        if case not in CASES or option not in ("", "schedule", "in_step"):
             parser.error(f"invalid case: {spec!r}")
         runs.append(argparse.Namespace(
-            **dict(vars(args), case=case, schedule=args.schedule or bool(option)),
+            **dict(
+                vars(args), case=case,
+                schedule=args.schedule or option == "schedule",
+                in_step=args.in_step or option == "in_step",
+            ),
             spec=spec,
         ))
 
@@ -212,6 +226,13 @@ def main():
 
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
+    if save:
+        # First, while the strategy's reductions are not wrapped yet.
+        import save_worker
+
+        result = save_worker.run(strategy)
+        print(json.dumps(dict(result, case="save")))
+        sys.stdout.flush()
     counter = ReductionCounter(strategy, enabled=not args.no_count)
     for run in runs:
         result = run_case(run, strategy, counter, worker, workers)

@@ -1,12 +1,17 @@
 """Training runs on a small device, for `tests/test_small_memory.py`.
 
-Usage: python child.py LIMIT_MB OUT_DIR SCENARIO [SCENARIO ...]
+Usage: python child.py OUT_DIR GROUP:LIMIT_MB:SCENARIO[,SCENARIO...] ...
 
-Sets TensorFlow's CPU allocator limit to LIMIT_MB before TensorFlow starts
-(oneDNN off: its kernels crash at the limit instead of raising), then runs
-each scenario (see `SCENARIOS` in the test) and writes, per scenario,
-`OUT_DIR/<scenario>.npz` (final weights) and `OUT_DIR/<scenario>.json`
-(history, updates, the chosen micro-batch, or the error raised).
+Imports TensorFlow once (oneDNN off: its kernels crash at the limit instead
+of raising), runs no TensorFlow op, and forks one child process per GROUP,
+all at once. Each child sets TensorFlow's CPU allocator limit to LIMIT_MB
+before its first TensorFlow op (the allocator reads it when it is made, at
+the first op), then runs its scenarios (see `CHILDREN` in the test) one
+after the other and writes, per scenario, `OUT_DIR/GROUP/<scenario>.npz`
+(final weights) and `OUT_DIR/GROUP/<scenario>.json` (history, updates, the
+chosen micro-batch, or the error raised); its stderr goes to
+`OUT_DIR/GROUP/stderr` and its exit code to `OUT_DIR/GROUP/returncode`.
+Exits with 1 if a child failed.
 """
 
 import json
@@ -14,8 +19,6 @@ import os
 import sys
 
 os.environ.update(
-    TF_CPU_ALLOCATOR_USE_BFC="true",
-    TF_CPU_BFC_MEM_LIMIT_IN_MB=sys.argv[1],
     TF_ENABLE_ONEDNN_OPTS="0",
     TF_CPP_MIN_LOG_LEVEL="3",
     KERAS_BACKEND="tensorflow",
@@ -28,7 +31,29 @@ import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import forking  # noqa: E402
 from small_memory import scenarios  # noqa: E402
+
+
+def limit_environment(limit_mb):
+    """The environment variables of a CPU limit of `limit_mb` MiB."""
+    return dict(
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(int(limit_mb)),
+    )
+
+
+def fork_group(folder, limit_mb, names):
+    """Starts a child that runs `names` under a limit of `limit_mb` MiB and
+    writes into `folder`; returns its process id. (The limit is read when
+    TensorFlow's CPU allocator is made, at the first op.)"""
+    os.makedirs(folder, exist_ok=True)
+
+    def run():
+        os.environ.update(limit_environment(limit_mb))
+        main(folder, names)
+
+    return forking.fork(run, os.path.join(folder, "stderr"))
 
 
 def main(out_dir, names):
@@ -62,4 +87,14 @@ def main(out_dir, names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[2], sys.argv[3:])
+    out_dir, pids = sys.argv[1], []
+    for spec in sys.argv[2:]:
+        group, limit_mb, names = spec.split(":")
+        pids.append((group, fork_group(
+            os.path.join(out_dir, group), limit_mb, names.split(",")
+        )))
+    codes = {group: forking.wait(pid) for group, pid in pids}
+    for group, code in codes.items():
+        with open(os.path.join(out_dir, group, "returncode"), "w") as f:
+            f.write(str(code))
+    sys.exit(1 if any(codes.values()) else 0)
