@@ -79,6 +79,13 @@ def pytest_configure(config):
     )
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that read background runs go last: by then the runs
+    started with the first test have ended, and the workers trained other
+    tests meanwhile instead of waiting for them."""
+    items.sort(key=lambda item: bool(item.get_closest_marker("background")))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_runs(request, tmp_path_factory):
     """Starts, with the first test, the child processes that the

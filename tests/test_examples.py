@@ -262,9 +262,10 @@ def _limited_cpu_env(limit_mb):
     return env
 
 
-# 72 MiB: a plain keras.Model runs out at the batch of 64 (about 90 MiB
-# without a limit), micro-batches of 32 fit (about 60 MiB).
-MEMORY_LIMIT_MB = 72
+# 62 MiB: a plain keras.Model runs out at the batch of 64 (about 90 MiB
+# without a limit), and so does "auto" with the whole batch (69 MiB to more
+# than 72, from run to run); micro-batches of 32 fit (about 56 MiB).
+MEMORY_LIMIT_MB = 62
 
 
 def start_background_runs(tmp_path_factory):
@@ -305,7 +306,7 @@ def test_segmentation_memory_limit_smoke(tmp_path_factory):
     assert memory["recoveries"], memory
     assert memory["micro_batch_size"] < 64
     assert all(size < rows for size, rows in memory["last_epoch"])
-    assert memory["peak_mib"] <= 72
+    assert memory["peak_mib"] <= MEMORY_LIMIT_MB
     assert results["optimizer_updates"] == 1  # 64 examples, batches of 64.
     assert math.isfinite(results["val_loss"])
     assert_png(tmp_path / "predictions.png")
