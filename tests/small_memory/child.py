@@ -23,7 +23,9 @@ os.environ.update(
     TF_CPP_MIN_LOG_LEVEL="3",
     KERAS_BACKEND="tensorflow",
 )
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)
+sys.path.insert(1, os.path.join(os.path.dirname(TESTS), "examples"))
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
@@ -31,16 +33,10 @@ import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import example_utils  # noqa: E402
 import forking  # noqa: E402
 from small_memory import scenarios  # noqa: E402
-
-
-def limit_environment(limit_mb):
-    """The environment variables of a CPU limit of `limit_mb` MiB."""
-    return dict(
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(int(limit_mb)),
-    )
 
 
 def fork_group(folder, limit_mb, names):
@@ -50,7 +46,7 @@ def fork_group(folder, limit_mb, names):
     os.makedirs(folder, exist_ok=True)
 
     def run():
-        os.environ.update(limit_environment(limit_mb))
+        os.environ.update(example_utils.cpu_limit_environment(limit_mb))
         main(folder, names)
 
     return forking.fork(run, os.path.join(folder, "stderr"))
