@@ -96,8 +96,7 @@ def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling):
 
 
 def _multi_worker_logs(strategy, logs):
-    """Logs with a leading axis: Keras' multi-worker `reduce("MEAN", v,
-    axis=0)` fails for scalars."""
+    """Logs with a leading axis, which Keras' multi-worker reduction needs."""
     if not compat.in_multi_worker_mode(strategy):
         return logs
     return keras.tree.map_structure(
@@ -110,9 +109,7 @@ def _first_tensor(x):
 
 
 def _replica_scale():
-    """Keras divides each replica's mean loss by the number of replicas; the
-    window's normaliser is global instead: the gradients are scaled back
-    (by `unscale_loss_for_distribution`'s factor, as a number)."""
+    """The factor Keras divides each replica's loss by (the replica count)."""
     return float(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
@@ -135,8 +132,7 @@ def _check_in_step_sync(model):
 
 
 def _compile_of_own_class(cls):
-    """The first class of `cls`'s MRO, past ours, that defines `compile()`
-    or `compile_from_config()` other than Keras' own; `None` if none."""
+    """The first class past ours with its own `compile(_from_config)()`."""
     for klass in cls.__mro__:
         if klass in (GradientAccumulationModel, compat.TrainerHooks):
             continue
@@ -158,8 +154,7 @@ def _check_backend():
 
 
 def _checked_compile_arguments(model, args, kwargs):
-    """`compile()`'s arguments, a given optimizer resolved and checked before
-    Keras installs anything (`"auto"`: a keras-hub task's default)."""
+    """`compile()`'s arguments, with a given optimizer resolved and checked."""
     optimizer = args[0] if args else kwargs.get("optimizer")
     if optimizer is None or (isinstance(optimizer, str) and optimizer == "auto"):
         return args, kwargs
@@ -197,20 +192,10 @@ def _flush_function(model):
 class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     """A `keras.Model` that applies one update every N micro-batches.
 
-    `fit()` feeds micro-batches as usual; every `gradient_accumulation_steps`
-    of them one optimizer update is applied: the update one batch of all
-    their samples would give (each micro-batch weighted by its loss's
-    normaliser: samples, valid pixels, or sample-weight sum). Everything that
-    counts steps (`iterations`, schedules, EMA, weight decay, clipping)
-    counts updates. The pending window is saved with the model, input of
-    unknown length trains as known length would, and a partial window is
-    applied before validation and before other callbacks see an epoch's end.
-    See docs/semantics.md for the semantics and docs/design.md for the
-    mechanism.
-
-    Use it like `keras.Model`: functional, subclassed (with a `call()`), or
-    around an existing model with `from_model()`. A subclass with its own
-    `train_step` can use `self.gradient_accumulator`.
+    Every `gradient_accumulation_steps` micro-batches, one optimizer update
+    is applied: the update one batch of all their samples would give. Use it
+    like `keras.Model` (functional or subclassed), or make an existing model
+    accumulate with `from_model()`. See docs/semantics.md.
 
     Args:
         gradient_accumulation_steps: int >= 1, micro-batches per update.
@@ -227,15 +212,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         micro_batch_size: int >= 1, `"auto"` or `None` (default). If set,
             each train step splits its batch into micro-batches of at most
             this many rows (per replica) and accumulates them inside the
-            step, in a `tf.while_loop`; a window is then
-            `gradient_accumulation_steps` train steps. Metrics and the
-            logged loss are the whole batch's. `"auto"`: the largest
-            micro-batch that fits in the device's memory, found on the
-            first batch of each input shape; a step that runs out of
-            memory is rolled back and trained again with half the
-            micro-batch (see the README, "Training in small memory").
-            (With `jit_compile=True` on a CPU, a model with convolutions
-            has XLA compile each micro-batch instead of the whole step.)
+            step; a window is then `gradient_accumulation_steps` train
+            steps. `"auto"`: the largest micro-batch that fits in the
+            device's memory (see the README, "Training in small memory").
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -407,11 +386,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def from_model(cls, model, gradient_accumulation_steps, **kwargs):
         """Makes an existing model train with accumulation, in place.
 
-        The model keeps everything it has: it stays an instance of its
-        class (a keras-hub task keeps its preprocessor, `generate()` and
-        compile defaults; a subclassed model its `call()`), its weights and
-        its compile state. Its class becomes a subclass of that class and of
-        `GradientAccumulationModel`, and it is saved and loaded as such.
+        The model stays an instance of its class and keeps its weights and
+        compile state; its class becomes a subclass of that class and of
+        `GradientAccumulationModel`.
 
         Args:
             model: a `keras.Model` of any kind: functional, `Sequential`,
@@ -478,10 +455,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self._flush_function = None
 
     def compile_from_config(self, config):
-        # Keras skips `compile_from_config` for a class that overrides
-        # `compile()`; ours only adds checks, so the model is compiled on
-        # load, unless its own class's `compile()` does not take the saved
-        # arguments (as Keras would not call it: docs/design.md).
+        # Compiled on load unless the model's own `compile()` does not take
+        # the saved arguments (docs/design.md, "Exact resume").
         own = _compile_of_own_class(type(self))
         if own is not None and "compile_from_config" in vars(own):
             return own.compile_from_config(self, config)
@@ -522,8 +497,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return self._auto_micro_batch
 
     def _keras_train_function(self, micro_batch_size=None):
-        """Keras' train function of this model, traced when first called
-        (with micro-batches of `micro_batch_size` rows, if given)."""
+        """Keras' train function, with micro-batches of this size if given."""
         if micro_batch_size is not None:
             self._micro_batch_size = micro_batch_size
         current = self.train_function
@@ -582,8 +556,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         ):
             return False
         if int(self.gradient_accumulator.micro_step.numpy()) == 0:
-            # Nothing pending: nothing to trace or run. (A local read, also
-            # under `tf.distribute`; every worker counts the same.)
+            # Nothing pending (every replica and worker counts the same).
             return False
         if self._flush_function is None:
             self._flush_function = _flush_function(self)
@@ -627,9 +600,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return y_pred, loss, normalizer, batch_size
 
     def _window_step(self, x, y, sample_weight):
-        """A train step through the window: its batch added as one
-        micro-batch, or in micro-batches of `micro_batch_size` rows; then the
-        step ended, which applies the window once it is complete."""
+        """A train step that adds its batch to the window, then ends it."""
         if self._micro_batch_size is None:
             y_pred, loss, _, batch_size = self._forward_backward(
                 x, y, sample_weight
@@ -648,10 +619,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return logs
 
     def _micro_batches(self, data):
-        """Adds the batch in micro-batches of `micro_batch_size` rows: full
-        ones in a `tf.while_loop`, a short last one after it; returns the
-        batch's loss (the micro-batches' weighted by their normalisers) and
-        size (docs/design.md, "Micro-batches inside the train step")."""
+        """Adds the batch in micro-batches; returns its loss and size."""
         rows = self._micro_batch_size
         size = tf.shape(_first_tensor(data[0]))[0]
         full = size // rows
@@ -673,8 +641,6 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             return loss * weight, weight
 
         def compiled(length):
-            """`micro_batch` of `length` rows, XLA-compiled on its own if so
-            placed."""
             run = functools.partial(micro_batch, length=length)
             if self._micro_batches_in_xla:
                 run = tf.function(run, jit_compile=True, autograph=False)
@@ -767,8 +733,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self._take_saved_steps()
 
     def _take_saved_steps(self):
-        """Loading restores the N the window was saved with (the model's own
-        rule: the file's training state wins), with a warning if it differs."""
+        """Takes the N the window was saved with, warning if it differs."""
         accumulator = self.gradient_accumulator
         saved = int(accumulator.window.next_window_steps.numpy())
         built = accumulator.gradient_accumulation_steps
