@@ -34,16 +34,6 @@ def validate_steps(value, name="gradient_accumulation_steps"):
     return int(value)
 
 
-def validate_policy(value):
-    if not isinstance(value, str) or value not in NON_FINITE_POLICIES:
-        raise ValueError(
-            "`non_finite_policy` must be one of "
-            f"{', '.join(repr(p) for p in NON_FINITE_POLICIES)}. "
-            f"Received: non_finite_policy={value!r}"
-        )
-    return value
-
-
 def resolve_policy(policy, loss_scaled):
     """The non-finite policy in force, `"auto"` resolved; checked."""
     if policy == "auto":
@@ -67,26 +57,17 @@ class GradientAccumulator(tf.Module):
     Each micro-batch's gradients are added with its `normalizer` (the `D` its
     mean loss was divided by); when the window is complete the optimizer is
     applied once to `sum_k(D_k * g_k) / sum_k(D_k)`, what one batch of all
-    the window's samples would give. The state (`window`, a `WindowState`:
-    counters, float32 buffers, per replica under `tf.distribute`) is saved
-    with the model. With a `LossScaleOptimizer`, micro-batches are unscaled
-    one by one and the inner optimizer takes one step per window. Listeners
-    (`add_window_end_listener`) hear of every window's end.
-
-    A train step calls `add()` for each of its micro-batches, then
-    `end_step()`; the window is complete after `gradient_accumulation_steps`
-    train steps. `accumulate_and_maybe_apply()` is both, for one micro-batch
-    per step (a window of N calls). See docs/design.md.
-
-    `non_finite_policy`: `"skip_window"` skips a window with any non-finite
-    micro-batch (a loss scale is halved); `"drop_micro_batch"` drops that
-    micro-batch and normalises by what remains; `"propagate"` checks
-    nothing; `"auto"` (default) is `"skip_window"` with loss scaling, else
-    `"propagate"`.
+    the window's samples would give. A train step calls `add()` for each of
+    its micro-batches, then `end_step()`; `accumulate_and_maybe_apply()` is
+    both, for one micro-batch per step.
 
     Args:
         gradient_accumulation_steps: int >= 1, train steps per update.
-        non_finite_policy: str, one of the policies above.
+        non_finite_policy: str. `"skip_window"` skips a window with any
+            non-finite micro-batch (a loss scale is halved);
+            `"drop_micro_batch"` drops that micro-batch and normalises by
+            what remains; `"propagate"` checks nothing; `"auto"` (default)
+            is `"skip_window"` with loss scaling, else `"propagate"`.
         name: str, the module's name.
 
     Raises:
@@ -123,10 +104,15 @@ class GradientAccumulator(tf.Module):
     ):
         super().__init__(name=name)
         self._steps = validate_steps(gradient_accumulation_steps)
-        self.non_finite_policy = validate_policy(non_finite_policy)
+        policy = non_finite_policy
+        if not isinstance(policy, str) or policy not in NON_FINITE_POLICIES:
+            raise ValueError(
+                "`non_finite_policy` must be one of "
+                f"{', '.join(repr(p) for p in NON_FINITE_POLICIES)}. "
+                f"Received: non_finite_policy={policy!r}"
+            )
+        self.non_finite_policy = policy
         self.window = WindowState(self._steps)
-        # Whether windows go through buffers: decided in Python, when
-        # tracing (N > 1 now or ever before, or several micro-batches).
         self._accumulates = self._steps > 1
         object.__setattr__(self, "_listeners", [])
 
@@ -154,10 +140,8 @@ class GradientAccumulator(tf.Module):
     def gradient_accumulation_steps(self):
         """int: train steps per update, of the windows to come.
 
-        Settable between steps: the window in progress keeps its N, the
-        next one takes the new value. Values > 1 live in a variable (no
-        new trace); the first change from 1 to more creates the buffers, and
-        the train step must be traced again.
+        Settable between steps: the window in progress keeps its N. The
+        first change from 1 to more needs the train step traced again.
         """
         return self._steps
 
