@@ -149,14 +149,9 @@ class StepRollback:
                 c.assign(tf.zeros_like(c))
 
 
-def _local(value):
-    if isinstance(value, tf.distribute.DistributedValues):
-        return value.values[0]
-    return value
-
-
 def _tensors(data):
-    return [_local(t) for t in keras.tree.flatten(data) if t is not None]
+    """The first replica's tensors of `data`."""
+    return [components(t)[0] for t in keras.tree.flatten(data) if t is not None]
 
 
 def _signature(data):

@@ -31,20 +31,22 @@ def in_replica_context():
     )
 
 
+def components(value):
+    """The per-replica parts of a distributed value; `[value]` otherwise."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
 def assign_per_replica(variable, values):
     """Assigns one value per replica (a plain variable takes the first)."""
-    if isinstance(variable, tf.distribute.DistributedValues):
-        for component, value in zip(variable.values, values):
-            component.assign(value)
-    else:
-        variable.assign(values[0])
+    for component, value in zip(components(variable), values):
+        component.assign(value)
 
 
 def per_replica_values(variable):
     """The numpy value of each replica's copy (one for a plain variable)."""
-    if isinstance(variable, tf.distribute.DistributedValues):
-        return [np.asarray(c.numpy()) for c in variable.values]
-    return [np.asarray(variable.numpy())]
+    return [np.asarray(c.numpy()) for c in components(variable)]
 
 
 def assign_state(state, values):
@@ -141,9 +143,3 @@ def current_graph():
         return None
     return tf.compat.v1.get_default_graph()
 
-
-def components(variable):
-    """The `tf.Variable`s behind a (distributed) variable."""
-    if isinstance(variable, tf.distribute.DistributedValues):
-        return list(variable.values)
-    return [variable]

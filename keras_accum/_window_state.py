@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras_accum._tf_utils import accumulation_dtype
 from keras_accum._tf_utils import assign_per_replica
 from keras_accum._tf_utils import assign_state
+from keras_accum._tf_utils import components
 from keras_accum._tf_utils import per_replica_values
 from keras_accum._tf_utils import run_if
 from keras_accum._tf_utils import state_variable
@@ -48,8 +49,7 @@ class WindowState(tf.Module):
         self.buffers = []
         self.normalizer_sum = None
         self.normalizer_dtype = tf.float32
-        # Which variables get gradients: known when tracing, and saved, so
-        # that a restored window can be applied before any trace.
+        # Which variables get gradients, saved (docs/design.md, "Exact resume").
         self.has_gradient = None
         self.overwrite = []
         self._variable_ids = None
@@ -66,8 +66,7 @@ class WindowState(tf.Module):
         self._variable_ids = None
 
     def build(self, variables, with_buffers):
-        """Creates the buffers (if `with_buffers`) for `variables`; a no-op
-        for the same variables."""
+        """Creates the window's variables; a no-op for the same variables."""
         ids = [id(v) for v in variables]
         if ids == self._variable_ids:
             return
@@ -104,9 +103,7 @@ class WindowState(tf.Module):
                 )
         self._variable_ids = ids
         self._gradient_is_none = None
-        # Keras' float8 scales and amax histories: their "gradient" is
-        # their next value. Neither unscaled nor normalised; the window
-        # keeps the largest (as Keras' own accumulation does).
+        # Keras' float8 scales and amax histories (docs/design.md).
         self.overwrite = [
             bool(getattr(v, "overwrite_with_gradient", False))
             for v in variables
@@ -125,7 +122,7 @@ class WindowState(tf.Module):
     def set_steps(self, steps):
         """N of the next windows; of this one too if it is empty."""
         with tf.init_scope():
-            replicas = _replicas(self.micro_step)
+            replicas = len(components(self.micro_step))
             assign_per_replica(self.next_window_steps, [steps] * replicas)
             if not int(self.micro_step.numpy()):
                 assign_per_replica(self.window_steps, [steps] * replicas)
@@ -136,7 +133,7 @@ class WindowState(tf.Module):
         with tf.init_scope():
             mask = [not none for none in self._gradient_is_none]
             assign_per_replica(
-                self.has_gradient, [mask] * _replicas(self.has_gradient)
+                self.has_gradient, [mask] * len(components(self.has_gradient))
             )
 
     def add(self, gradients, normalizer, gradient_scale):
@@ -158,8 +155,7 @@ class WindowState(tf.Module):
         self.added_micro_batches.assign_add(1)
 
     def totals(self, strategy):
-        """(micro-batches seen, added, normaliser sum) over the replicas, in
-        one reduction; in cross-replica context."""
+        """(micro-batches seen, added, normaliser sum) over the replicas."""
         if strategy.num_replicas_in_sync == 1:
             return self.micro_step, self.added_micro_batches, (
                 self.normalizer_sum
@@ -181,8 +177,7 @@ class WindowState(tf.Module):
         return steps, added, tf.cast(normalizer, self.normalizer_dtype)
 
     def gradients(self, normalizer, several):
-        """The buffers over the window's normaliser; zeros from a replica
-        that added nothing (its buffers are stale)."""
+        """The buffers over the window's normaliser (zeros if none added)."""
         buffers = self.buffers
         if several:
             added = self.added_micro_batches > 0
@@ -196,8 +191,7 @@ class WindowState(tf.Module):
         ]
 
     def reset(self):
-        """Empties the window (stale buffers are overwritten by its next
-        first micro-batch); the next window takes `next_window_steps`."""
+        """Empties the window; the next one takes `next_window_steps`."""
         if self.normalizer_sum is not None:
             self.normalizer_sum.assign(tf.zeros((), self.normalizer_dtype))
         zero = tf.zeros((), tf.int64)
@@ -206,8 +200,7 @@ class WindowState(tf.Module):
         self.window_steps.assign(self.next_window_steps)
 
     def state(self):
-        """The state variables by name (those created so far): the
-        counters, `normalizer_sum`, `has_gradient`, `buffer_<i>`."""
+        """The state variables by name (those created so far)."""
         state = {counter: getattr(self, counter) for counter in COUNTERS}
         if self.normalizer_sum is not None:
             state["normalizer_sum"] = self.normalizer_sum
@@ -218,10 +211,7 @@ class WindowState(tf.Module):
         return state
 
     def restore(self, values):
-        """Assigns saved per-replica values; what does not exist yet waits
-        for `build()`. A window saved when only train steps of several
-        micro-batches counted `steps_in_window` takes one step per
-        micro-batch."""
+        """Assigns saved per-replica values (the rest waits for `build()`)."""
         steps = values.get("steps_in_window")
         seen = values.get("micro_step")
         if seen is not None and (steps is None or not any(steps)):
@@ -236,12 +226,6 @@ class WindowState(tf.Module):
                 mask = per_replica_values(self.has_gradient)[0]
             self._gradient_is_none = [not bool(m) for m in mask]
         return self._gradient_is_none
-
-
-def _replicas(variable):
-    if isinstance(variable, tf.distribute.DistributedValues):
-        return len(variable.values)
-    return 1
 
 
 def _buffer(variable, dtype):
