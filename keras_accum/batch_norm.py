@@ -87,19 +87,12 @@ class _CallGroup(tf.Module):
 
     def add(self, count, mean, variance):
         """Adds one micro-batch's statistics to the window's."""
-        window = (self.count, self.mean, self.m2)
-        combined = combine_moments(
-            [v.read_value() for v in window], (count, mean, variance * count)
-        )
-        for variable, value in zip(window, combined):
+        combined = combine_moments(self.read(), (count, mean, variance * count))
+        for variable, value in zip((self.count, self.mean, self.m2), combined):
             variable.assign(value)
 
     def read(self):
-        return (
-            self.count.read_value(),
-            self.mean.read_value(),
-            self.m2.read_value(),
-        )
+        return tuple(v.read_value() for v in (self.count, self.mean, self.m2))
 
     def reset(self):
         for variable in (self.count, self.mean, self.m2):
@@ -108,9 +101,8 @@ class _CallGroup(tf.Module):
 
 def combine_moments(a, b):
     """Chan et al.'s parallel combination: the (count, mean, M2) of the union
-    of two parts given as (count, mean, M2), M2 the sum of squared
-    deviations from the mean. (Over replicas the same sums are all-reduced
-    instead: `_update_from_replicas`.)"""
+    of two parts given as (count, mean, M2), M2 the sum of squared deviations.
+    """
     count_a, mean_a, m2_a = a
     count_b, mean_b, m2_b = b
     count = count_a + count_b
@@ -155,18 +147,10 @@ def _update_moving_statistics(statistics):
                 _concat([split[call][i] for call in calls]) for i in range(3)
             )
         sizes = [call.size for call in calls]
-        momentum = tf.constant(
-            [m for call in calls for m in [call.layer.momentum] * call.size],
-            dtype,
-        )
-        rest = tf.constant(
-            [
-                r
-                for call in calls
-                for r in [1.0 - call.layer.momentum] * call.size
-            ],
-            dtype,
-        )
+        momenta = [call.layer.momentum for call in calls]
+        momentum = tf.constant(_per_channel(momenta, sizes), dtype)
+        rest = [1.0 - m for m in momenta]
+        rest = tf.constant(_per_channel(rest, sizes), dtype)
         for name, value in (
             ("moving_mean", mean),
             ("moving_variance", variance),
@@ -184,6 +168,11 @@ def _update_moving_statistics(statistics):
                 variable.assign(part)
 
 
+def _per_channel(values, sizes):
+    """Each call's value, repeated over its channels."""
+    return [v for v, size in zip(values, sizes) for _ in range(size)]
+
+
 def _flat(value, dtype):
     """`value` as a flat vector of `dtype` (no op where it already is)."""
     value = tf.cast(value, dtype)
@@ -197,8 +186,7 @@ def _concat(parts):
 
 
 def _count(layer, inputs, mask):
-    """Values per channel the moments reduced over, on this replica (also
-    for `synchronized=True`: docs/design.md)."""
+    """Values per channel the moments reduced over, on this replica."""
     if mask is not None:
         return tf.reduce_sum(tf.cast(mask, tf.int64))
     rank = inputs.shape.rank
@@ -218,9 +206,8 @@ class WindowBatchNormStatistics(tf.Module):
     Every trainable `keras.layers.BatchNormalization` of the model (nested
     and `synchronized=True` ones too) moves its moving mean and variance once
     per applied window, from the exact statistics of all the window's
-    samples and replicas; a skipped window leaves them unchanged. See the
-    docs/semantics.md for what is not covered and docs/design.md for the
-    mechanism.
+    samples and replicas; a skipped window leaves them unchanged. See
+    docs/semantics.md.
 
     Args:
         enabled: bool, whether to window the moving statistics. If `False`
@@ -250,13 +237,9 @@ class WindowBatchNormStatistics(tf.Module):
             )
         super().__init__(name="window_batch_norm")
         self.enabled = enabled
-        # `_groups` is tracked (`tf.train.Checkpoint`); the bookkeeping is
-        # not: (id(layer), call index) -> _Call, in creation order, ...
-        self._groups = []  # _CallGroup, in creation order
-        object.__setattr__(self, "_calls_by_key", {})
-        # ... `id(layer)` -> compat.MomentsPatch, and values restored before their
-        # group existed (see `restore`).
-        object.__setattr__(self, "_patches", {})
+        self._groups = []  # tracked (`tf.train.Checkpoint`); the rest is not
+        object.__setattr__(self, "_calls_by_key", {})  # (id, index) -> _Call
+        object.__setattr__(self, "_patches", {})  # id -> compat.MomentsPatch
         object.__setattr__(self, "_pending_state", {})
         # `MirroredStrategy` traces each replica's step in a thread of its
         # own: the patches are shared (counted), the recordings per thread.
@@ -280,13 +263,8 @@ class WindowBatchNormStatistics(tf.Module):
         """
         if not self.enabled or not model.gradient_accumulator.accumulates:
             return
-        self._ensure_calls(
-            [
-                (layer, 0)
-                for layer in window_batch_norm_layers(model)
-                if layer.built
-            ]
-        )
+        layers = window_batch_norm_layers(model)
+        self._ensure_calls([(layer, 0) for layer in layers if layer.built])
 
     @contextlib.contextmanager
     def record(self, model):
@@ -331,11 +309,8 @@ class WindowBatchNormStatistics(tf.Module):
             self._calls_by_key[(id(layer), index)]: statistics
             for (layer, index), statistics in recorded
         }
-        flat = []
-        for group in self._groups:
-            values = group.flatten(calls)
-            if values is not None:
-                flat.append((group, values))
+        flat = [(group, group.flatten(calls)) for group in self._groups]
+        flat = [(group, values) for group, values in flat if values is not None]
         # A micro-batch whose statistics are not all finite adds nothing.
         finite = tf.reduce_all(
             tf.stack(
@@ -406,8 +381,7 @@ class WindowBatchNormStatistics(tf.Module):
         )
 
     def _ensure_calls(self, keys):
-        """Creates one group for the (layer, call index) pairs not yet held
-        (the first replica thread to trace creates it)."""
+        """Creates one group for the (layer, call index) pairs not yet held."""
         with self._lock:
             missing = []
             for layer, index in keys:
@@ -428,9 +402,6 @@ class WindowBatchNormStatistics(tf.Module):
             if missing and self._pending_state:
                 self.restore(self._pending_state)
 
-    # ------------------------------------------------------------------
-    # Patches of the layers, while forward passes are recorded
-    # ------------------------------------------------------------------
     def _patch(self, layers):
         with self._lock:
             for layer in layers:
@@ -451,8 +422,7 @@ class WindowBatchNormStatistics(tf.Module):
                     del self._patches[id(layer)]
 
     def _recording_moments(self, layer):
-        """The layer's moments, recording (count, mean, variance) of calls in
-        this thread's recording and graph (others keep Keras' updates)."""
+        """The layer's moments, recording those of this thread's recording."""
         original = compat.moments(layer)
 
         def _moments(inputs, mask):
@@ -463,11 +433,7 @@ class WindowBatchNormStatistics(tf.Module):
                 return original(inputs, mask)
             mean, variance = original(inputs, mask)
             recording.calls[id(layer)].append(
-                (
-                    _count(layer, inputs, mask),
-                    mean,
-                    variance,
-                )
+                (_count(layer, inputs, mask), mean, variance)
             )
             # The layer now assigns its moving statistics: not this time.
             with self._lock:
@@ -521,11 +487,8 @@ class _ForwardRecording:
 
 def _update_from_replicas(distribution, groups):
     """Combines the replicas' statistics (two all-reduces); updates."""
-    dtype = (
-        tf.float64
-        if any(group.dtype == tf.float64 for group in groups)
-        else tf.float32
-    )
+    float64 = any(group.dtype == tf.float64 for group in groups)
+    dtype = tf.float64 if float64 else tf.float32
     sizes = [sum(group.sizes) for group in groups]
 
     def local():
@@ -553,13 +516,5 @@ def _update_from_replicas(distribution, groups):
     (m2s,) = total(
         lambda n, mean, m2: [m2 + n * tf.square(mean - means)]
     )
-    _update_moving_statistics(
-        list(
-            zip(
-                groups,
-                tf.split(counts, sizes),
-                tf.split(means, sizes),
-                tf.split(m2s, sizes),
-            )
-        )
-    )
+    split = [tf.split(value, sizes) for value in (counts, means, m2s)]
+    _update_moving_statistics(list(zip(groups, *split)))
