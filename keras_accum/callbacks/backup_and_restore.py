@@ -26,32 +26,12 @@ _DAMAGE = (OSError, ValueError, KeyError, TypeError)
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training and resumes it exactly, mid-epoch and mid-window.
 
-    Like `keras.callbacks.BackupAndRestore`, a `fit()` that was interrupted
-    (an exception, a preempted machine, a process killed with `SIGKILL`)
-    and is started again with the same command resumes from the last
-    backup. Unlike it, the interrupted epoch is not restarted from its first
-    batch: the batches that the backup had already seen are consumed
-    without training (and without drawing random numbers), so the run ends
-    with the weights of the uninterrupted one, to float tolerance.
-
-    A resume restores the weights, the optimizer's state, the pending
-    accumulation window (buffers, normaliser sum, counters,
-    BatchNormalization window statistics), the state of every
-    `keras.random.SeedGenerator` of the model's layers (`Dropout` draws the
-    masks of the uninterrupted run) and of Keras' global one, and the
-    position in the epoch. It does not restore metrics and the epoch's
-    logged loss (they start again from the resume point), nor the input:
-    the resume is exact when the input comes in the same order in every
-    run, `fit(..., shuffle=False)` for arrays or a `tf.data` pipeline that
-    does not reshuffle between runs, of known or unknown length.
-
-    Each backup is written to a new folder (`model.weights.h5`, then
-    `position.json`, which marks it complete) and a pointer file `latest`
-    is replaced atomically once it is. A process killed while writing a
-    backup resumes from the previous one. With `double_checkpoint=True`
-    the previous backup is kept too: if the newest one cannot be read (a
-    damaged file), the restore warns, naming the file, and falls back to
-    it.
+    Like `keras.callbacks.BackupAndRestore`, a `fit()` started again with the
+    same command resumes from the last backup; unlike it, the batches that
+    the backup had already seen are skipped, not trained again, so the run
+    ends with the weights of the uninterrupted one when the input comes in
+    the same order in every run. See docs/semantics.md, "Saving and
+    resuming".
 
     Args:
         backup_dir: str or path, the folder for the backups. One training
@@ -129,9 +109,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_in_epoch = 0
         self._resume_at = 0
         self._since_backup = 0
-        # The folder of the last backup written or restored: the one that
-        # `double_checkpoint` keeps.
-        self._previous = None
+        self._previous = None  # the folder `double_checkpoint` keeps
 
     def on_train_begin(self, logs=None):
         if not hasattr(self.model, "gradient_accumulator"):
@@ -187,8 +165,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             shutil.rmtree(self.backup_dir)
 
     def _check_backup_dir(self):
-        """Creates `backup_dir` and checks that files can be written in it
-        (with `save_freq=False`, only that it is not a file)."""
+        """Creates `backup_dir` and checks that files can be written in it."""
         folder = self.backup_dir
         if self.save_freq is False:
             if os.path.exists(folder) and not os.path.isdir(folder):
@@ -252,9 +229,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return sorted(found, key=_order, reverse=True)
 
     def _read_pointer(self):
-        """The folder that `latest` names, and what is wrong with it:
-        `(name, None)`, `(None, None)` if there is no pointer file, or
-        `(None, problem)`."""
+        """(the folder `latest` names or None, what is wrong or None)."""
         path = os.path.join(self.backup_dir, _LATEST)
         try:
             with open(path, encoding="utf-8") as f:
@@ -279,8 +254,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return name, None
 
     def _restore(self):
-        """Loads the newest intact backup; returns its (epoch, batches), or
-        `None` if the folder holds none."""
+        """Loads the newest intact backup; returns its (epoch, batches)."""
         if not os.path.isdir(self.backup_dir):
             return None
         folders = self._folders()
@@ -345,11 +319,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         ) from error
 
     def _load(self, entry):
-        """Restores the backup in folder `entry`; returns its position.
-
-        Raises:
-            _DamagedBackup: naming the file that could not be read.
-        """
+        """Restores the backup in folder `entry`; returns its position."""
         folder = os.path.join(self.backup_dir, entry)
         path = os.path.join(folder, _POSITION)
         try:
@@ -388,12 +358,7 @@ class _DamagedBackup(Exception):
 
 
 def _is_int(value):
-    # JSON's integers: `int`, and `true`/`false` as `bool`.
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_count(value):
-    return _is_int(value) and value >= 0
 
 
 def _is_seed_state(value):
@@ -411,7 +376,7 @@ def _read_position(path):
     for key in ("epoch", "batches"):
         if key not in position:
             raise ValueError(f"`{key}` is missing")
-        if not _is_count(position[key]):
+        if not _is_int(position[key]) or position[key] < 0:
             raise ValueError(
                 f"`{key}` must be an integer >= 0. Received: "
                 f"{key}={position[key]!r}"
@@ -432,8 +397,7 @@ def _read_position(path):
 
 
 def _load_all_weights(model, path):
-    """`model.load_weights(path)`, raising `ValueError` where Keras only
-    warns that it skipped the optimizer's variables (a file without them)."""
+    """`model.load_weights(path)`, raising where Keras warns that it skipped."""
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built and model.built:
         # As Keras' `BackupAndRestore`: the variables to load into.
@@ -451,9 +415,7 @@ def _load_all_weights(model, path):
 
 
 def _seed_states(model):
-    """The state variables of the `SeedGenerator`s of `model`'s layers,
-    nested ones too: what `model.variables` holds beyond `model.weights`
-    (which `save_weights` saves)."""
+    """The layers' `SeedGenerator` states: `model.variables` less weights."""
     weights = {id(w) for w in model.weights}
     return [v for v in model.variables if id(v) not in weights]
 
@@ -474,8 +436,7 @@ def _seed_values(model):
 
 
 def _restore_seeds(model, position):
-    """Assigns the seed generators' states that `position` holds (a backup
-    written before they were saved holds none)."""
+    """Assigns the seed generators' states that `position` holds, if any."""
     if "seed_generators" not in position:
         return
     variables = _seed_states(model)
