@@ -39,8 +39,7 @@ class DeviceMemory:
 
     @property
     def xla_aborts(self):
-        """Whether XLA cannot run here: XLA's CPU runtime aborts the process
-        in the allocator when a limit is reached (TensorFlow 2.21)."""
+        """Whether XLA's CPU runtime would abort the process at the limit."""
         return self.device == "CPU:0" and self.limit is not None
 
     @property
@@ -100,13 +99,8 @@ class DeviceMemory:
 
 
 class StepRollback:
-    """What a train step writes before its update, saved and put back.
-
-    The window's counters (and its buffers, when earlier steps filled them),
-    the BatchNormalization window statistics, the model's non-trainable
-    variables (moving statistics, seed generators), the metrics and a loss
-    scale: a step that failed leaves them as they were before it.
-    """
+    """What a train step writes before its update, saved and put back
+    (docs/design.md, "Training in small memory")."""
 
     def __init__(self, model):
         self.model = model
@@ -140,8 +134,7 @@ class StepRollback:
         }
 
     def restore(self, saved):
-        """Puts `take()`'s values back; zeroes variables made since then (a
-        failed first trace creates some of the window's statistics)."""
+        """Puts `take()`'s values back; zeroes variables made since then."""
         for c in self._variables(with_buffers=True):
             if id(c) in saved:
                 c.assign(saved[id(c)][1])
@@ -155,8 +148,7 @@ def _tensors(data):
 
 
 def _signature(data):
-    """The input's shapes and dtypes per row: a micro-batch size is chosen
-    for each."""
+    """The input's shapes and dtypes per row."""
     return tuple((tuple(t.shape[1:]), t.dtype.name) for t in _tensors(data))
 
 
@@ -165,17 +157,8 @@ def _row_elements(signature):
 
 
 class AutoMicroBatch:
-    """Chooses the micro-batch of `micro_batch_size="auto"` and recovers a
-    train step that runs out of memory.
-
-    Per input signature (the shapes of a row): the first signature's first
-    batch is tried whole; a new one starts from the last size scaled by the
-    elements per row. A step that raises `ResourceExhaustedError` is rolled
-    back, its micro-batch halved and the same batch trained again. After a
-    success below the whole batch and below any size that failed, the next
-    batch of that signature tries twice the size: the search ends at the
-    largest size of the doubling that fits (one trace per size).
-    """
+    """Chooses the micro-batch of `micro_batch_size="auto"` per input
+    signature and recovers a train step that runs out of memory."""
 
     def __init__(self, model):
         self.model = model
@@ -195,12 +178,7 @@ class AutoMicroBatch:
         self._said.clear()
 
     def train_function(self, make_function):
-        """A train function of an iterator, as Keras' own.
-
-        Args:
-            make_function: callable returning Keras' train function for
-                micro-batches of a given size.
-        """
+        """A train function of an iterator, from `make_function(size)`."""
         if not self._checked:
             self._checked = True
             self.memory.check(self.model.jit_compile)
@@ -309,17 +287,14 @@ class AutoMicroBatch:
 
 
 def _out_of_memory(error):
-    """Whether `error` is an allocation that failed: a
-    `ResourceExhaustedError`, or a constant of a traced step too large to
-    allocate, which TensorFlow reports as a tensor it cannot parse."""
+    """Whether `error` is a failed allocation (also of a traced constant)."""
     return isinstance(error, tf.errors.ResourceExhaustedError) or (
         "Cannot parse tensor from proto" in (error.message or "")
     )
 
 
 def _fetch(iterator, count):
-    """Up to `count` batches, taken out of the iterator before training so
-    that a failed step can train the same batch again."""
+    """Up to `count` batches, taken out of the iterator before training."""
     get = getattr(iterator, "get_next", None) or (lambda: next(iterator))
     batches = []
     for _ in range(count):
@@ -333,8 +308,7 @@ def _fetch(iterator, count):
 
 
 def out_of_memory_hint(model, error):
-    """The error of a train step that ran out of memory with a fixed
-    micro-batch, saying what to try."""
+    """The out-of-memory error of a fixed micro-batch, saying what to try."""
     size = model.micro_batch_size
     if size is None:
         what = "the whole batch as one micro-batch (`micro_batch_size=None`)"

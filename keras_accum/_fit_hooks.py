@@ -10,9 +10,7 @@ from keras_accum.callbacks import BackupAndRestore
 
 
 class BatchSkip:
-    """Batches that the next train calls consume without training: how
-    `keras_accum.callbacks.BackupAndRestore` resumes in the middle of an
-    epoch (the model's `batch_skip`)."""
+    """Batches that the next train calls consume without training."""
 
     def __init__(self):
         self.remaining = 0
@@ -22,8 +20,7 @@ class BatchSkip:
         self.remaining = int(count)
 
     def take(self, iterator, steps_per_execution):
-        """Consumes what one train call would train on, if batches are to
-        be skipped; returns whether it did."""
+        """Consumes one train call's batches if any are to be skipped."""
         if not self.remaining:
             return False
         count = min(steps_per_execution, self.remaining)
@@ -34,8 +31,7 @@ class BatchSkip:
 
 
 def window_train_function(model, train_function):
-    """Keras' train function, ending the window when the input runs out;
-    it skips the batches a resumed run already trained on."""
+    """Keras' train function, ending the window when the input runs out."""
 
     def window_train_function(iterator):
         try:
@@ -61,8 +57,7 @@ def _batch_size(x, batch_size):
     """The (global) batch size `fit()` will see, if known upfront."""
     if isinstance(x, tf.data.Dataset):
         spec = keras.tree.flatten(x.element_spec)
-        size = spec[0].shape[0] if spec and spec[0].shape.rank else None
-        return size
+        return spec[0].shape[0] if spec and spec[0].shape.rank else None
     if hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):
         return batch_size or 32
     return batch_size
@@ -103,9 +98,7 @@ def _describe_window(model, batch, steps):
 
 
 def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
-    """`callbacks` with the window's end first and last (our
-    `BackupAndRestore` right after the first), and a progress bar that
-    shows `updates` as an integer."""
+    """`callbacks` with the window's end first and last, and our bar."""
     batch = _batch_size(x, (fit_kwargs or {}).get("batch_size"))
     first, last = [_WindowEnd(batch)], [_LastWindowEnd()]
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -126,8 +119,7 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
 
 
 class _WindowEnd(keras.callbacks.Callback):
-    """Runs first: applies a partial window before others see an epoch's
-    end (the last epoch's always: before EMA is finalized); the start line."""
+    """Runs first: the window's end before others see an epoch's end."""
 
     def __init__(self, batch=None):
         super().__init__()
@@ -136,9 +128,10 @@ class _WindowEnd(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         params = self.params or {}
         auto = self.model.auto_micro_batch
+        verbose = params.get("verbose", 0)
         if auto is not None:
-            auto.verbose = params.get("verbose", 0)
-        if params.get("verbose", 0) != 0 and self.model.gradient_accumulator.accumulates:
+            auto.verbose = verbose
+        if verbose != 0 and self.model.gradient_accumulator.accumulates:
             print(_describe_window(self.model, self.batch, params.get("steps")))
 
     def on_epoch_end(self, epoch, logs=None):
@@ -157,8 +150,7 @@ class _WindowEnd(keras.callbacks.Callback):
 
 
 class _LastWindowEnd(keras.callbacks.Callback):
-    """Runs last: applies a partial window after the epoch's last batch
-    (before validation), and a carried one when a callback stopped fit."""
+    """Runs last: the window's end after an epoch's last batch."""
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self.params.get("steps") if self.params else None
