@@ -128,9 +128,7 @@ def shrink_loss_scale(optimizer):
 
 
 def grow_loss_scale(optimizer):
-    """Counts one finite update of a `LossScaleOptimizer`; doubles its scale
-    after `dynamic_growth_steps` of them (Keras' rule, which has no method
-    of its own: it is inside `_stateful_handle_finite_grads`)."""
+    """Counts a finite update of a `LossScaleOptimizer`, as Keras does."""
 
     def upscale():
         optimizer.step_counter.assign(0)
@@ -149,8 +147,8 @@ def grow_loss_scale(optimizer):
 
 
 class _Count(float):
-    """A count that Keras' progress bar prints as an integer (it formats
-    every value as a float, `f"{value:.4f}"`, after dividing it by 1)."""
+    """A count that Keras' progress bar, which divides every value by 1 and
+    formats it as a float, prints as an integer."""
 
     def __truediv__(self, other):
         return _Count(float(self) / other)
@@ -165,8 +163,7 @@ class _Count(float):
 
 
 class ProgbarLogger(keras.callbacks.ProgbarLogger):
-    """Keras' progress bar, showing the `updates` count as an integer (as a
-    float on Keras 3.11, whose bar converts every value to one)."""
+    """Keras' progress bar, showing the `updates` count as an integer."""
 
     def _maybe_init_progbar(self):
         super()._maybe_init_progbar()
@@ -214,9 +211,7 @@ _inject_functional_model_class = model_module.inject_functional_model_class
 
 
 def _inject(cls):
-    """Keras' `inject_functional_model_class`, which rewrites the bases of
-    every class of `cls`'s hierarchy; for an instance of ours being built,
-    the instance takes a subclass of its class and `Functional` instead."""
+    """Keras' `inject_functional_model_class`, except for ours being built."""
     for instance, functional_class in reversed(getattr(_building, "stack", [])):
         if cls is type(instance) and not issubclass(cls, Functional):
             instance.__class__ = functional_class(cls)
@@ -230,9 +225,8 @@ model_module.inject_functional_model_class = _inject
 
 @contextlib.contextmanager
 def building_functionally(instance, functional_class):
-    """While `instance` is initialised, a parent that builds it functionally
-    gives it `functional_class(cls)`: Keras rewrites no class
-    (docs/design.md, "Every model class")."""
+    """While `instance` is initialised, a functional build gives it
+    `functional_class(cls)` (docs/design.md, "Every model class")."""
     stack = _building.__dict__.setdefault("stack", [])
     stack.append((instance, functional_class))
     try:

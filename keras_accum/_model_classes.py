@@ -50,10 +50,7 @@ def accumulating_class(cls, accumulating, functional):
 
 
 def _save_as(cls, target):
-    """Has Keras save instances of `cls` under the registered name of
-    `target`, which still loads `target` (registered again after `cls`). An
-    unregistered `target` is saved under its class name, which `cls`
-    shares."""
+    """Has Keras save instances of `cls` under the name of `target`."""
     name = keras.saving.get_registered_name(target)
     if name == cls.__name__:
         return

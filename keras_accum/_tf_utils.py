@@ -86,11 +86,8 @@ def _cpu_only():
 
 
 def xla_placement(jit_compile, in_step, layers, xla_aborts=False):
-    """What XLA compiles of a train step: `"step"` (Keras' whole step),
-    `"micro_batch"` (each micro-batch of the in-step loop: XLA's CPU backend
-    compiles convolution gradients inside a loop into slow kernels), or
-    `None` (nothing: also where `xla_aborts`, on a CPU with a memory limit,
-    where XLA's runtime aborts the process instead of raising)."""
+    """What XLA compiles of a train step: `"step"`, `"micro_batch"` or
+    `None` (docs/design.md, "Micro-batches inside the train step")."""
     if jit_compile is not True or xla_aborts:
         return None
     if in_step and _cpu_only() and any(
@@ -101,14 +98,12 @@ def xla_placement(jit_compile, in_step, layers, xla_aborts=False):
 
 
 def xla_on_cpu():
-    """Whether the function being traced is compiled by XLA for a CPU: a
-    conditional there copies every variable it writes."""
+    """Whether the function being traced is compiled by XLA for a CPU."""
     return in_xla_context() and not tf.config.list_logical_devices("GPU")
 
 
 def run_if(pred, fn):
-    """`fn()` (a boolean tensor) if `pred`, else `False`: a `tf.cond`, or
-    under XLA on CPU a 0/1-trip loop (docs/design.md, "One window end")."""
+    """`fn()` if `pred`, else `False`: a `tf.cond` or a 0/1-trip loop."""
     if xla_on_cpu():
 
         def body(count, _):
