@@ -72,9 +72,7 @@ def _to_replicas(values, replicas):
     for name, per_replica in accumulator.items():
         if name == "normalizer_sum" or name.startswith("buffer_"):
             total = np.sum(per_replica, axis=0)
-            merged["accumulator"][name] = [total] + [
-                np.zeros_like(total)
-            ] * (replicas - 1)
+            merged["accumulator"][name] = _on_first(total, replicas)
     statistics = values.get("batch_norm", {})
     for name in statistics:
         if not name.endswith("_count"):
@@ -84,10 +82,13 @@ def _to_replicas(values, replicas):
             *(statistics[group + field] for field in ("_count", "_mean", "_m2"))
         )
         combined = functools.reduce(combine_moments, parts)
-        for field, value in zip(
-            ("count", "mean", "m2"), (np.asarray(v) for v in combined)
-        ):
-            merged["batch_norm"][f"{group}_{field}"] = [value] + [
-                np.zeros_like(value)
-            ] * (replicas - 1)
+        for field, value in zip(("count", "mean", "m2"), combined):
+            merged["batch_norm"][f"{group}_{field}"] = _on_first(
+                np.asarray(value), replicas
+            )
     return merged
+
+
+def _on_first(value, replicas):
+    """`value` on the first replica, zeros on the others."""
+    return [value] + [np.zeros_like(value)] * (replicas - 1)
