@@ -10,13 +10,9 @@ from keras_accum.accumulator import MAX_STEPS
 class GradientAccumulationScheduler(keras.callbacks.Callback):
     """Sets `gradient_accumulation_steps` at the start of given epochs.
 
-    The form of PyTorch Lightning's scheduler: `{epoch: N}` sets N from that
-    epoch (0-based) on, until the next key. Epochs before the first key keep
-    the N the model had when the scheduler first started. The window in
-    progress when N changes keeps its own N (with `flush_at_epoch_end=True`
-    none is in progress at an epoch's start); the next window takes the
-    new one. Changing between values > 1 needs no new trace of the train
-    step.
+    `{epoch: N}` sets N from that epoch (0-based) on, until the next key.
+    Epochs before the first key keep the N the model had when the scheduler
+    first started. The window in progress when N changes keeps its own N.
 
     Args:
         schedule: dict from int epoch >= 0 to int N >= 1.
