@@ -468,9 +468,7 @@ class _ForwardRecording:
         self.model = model
         self.graph = current_graph()
         self.calls = {id(layer): [] for layer in layers}
-        # Whether the layer's latest `_moments` call was recorded (then its
-        # following assignments to the moving statistics are not made).
-        self.suppress = {}
+        self.suppress = {}  # id(layer) -> whether its last call was recorded
         self._has_trainable_weights = None
 
     def wants(self, layer, inputs):

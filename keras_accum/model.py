@@ -267,8 +267,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             window_batch_norm,
             micro_batch_size,
         )
-        # A parent that builds a functional graph (a keras-hub task) makes
-        # this instance `Functional` without Keras rewriting any class.
+        # A parent's functional build (a keras-hub task): docs/design.md.
         with compat.building_functionally(self, self._functional_class):
             super().__init__(*args, **kwargs)
         self._init_window(window)
@@ -573,7 +572,6 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """One micro-batch's predictions, loss, gradients and normaliser."""
         batch_size = tf.shape(_first_tensor(x))[0]
         with tf.GradientTape() as tape:
-            # BatchNormalization moving statistics: once per window.
             with self._batch_norm_statistics.record(self):
                 y_pred = compat.call_for_training(self, x)
             loss_normalizer.install(self, x, y, y_pred, sample_weight)
@@ -698,8 +696,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         if "converted_from" in config:
-            # A model made accumulating by `from_model()`: its own class
-            # rebuilds it, then it is converted again.
+            # Made accumulating by `from_model()`: rebuilt, then converted.
             base = classes.class_from_config(
                 config.pop("converted_from"), custom_objects
             )
