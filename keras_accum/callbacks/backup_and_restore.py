@@ -358,6 +358,7 @@ class _DamagedBackup(Exception):
 
 
 def _is_int(value):
+    """A JSON integer (`true` and `false` load as `bool`)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
