@@ -548,14 +548,14 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         Returns:
             bool: whether an update was applied.
         """
+        accumulator = self.gradient_accumulator
         if (
             self.optimizer is None
-            or not self.gradient_accumulator.built
-            or not self.gradient_accumulator.accumulates
-        ):
-            return False
-        if int(self.gradient_accumulator.micro_step.numpy()) == 0:
+            or not accumulator.built
+            or not accumulator.accumulates
             # Nothing pending (every replica and worker counts the same).
+            or not int(accumulator.micro_step.numpy())
+        ):
             return False
         if self._flush_function is None:
             self._flush_function = _flush_function(self)
