@@ -13,12 +13,11 @@ import threading
 import keras
 import tensorflow as tf
 
-_NEEDS = "keras_accum needs a Keras 3 with the TensorFlow backend whose"
-
 
 def _missing(what):
     return ImportError(
-        f"{_NEEDS} {what}; Keras {keras.__version__} has not. See "
+        "keras_accum needs a Keras 3 with the TensorFlow backend whose "
+        f"{what}; Keras {keras.__version__} has not. See "
         "docs/compatibility.md for the tested versions."
     )
 
@@ -81,9 +80,6 @@ for _module, _names in (
     for _name in _names:
         if not hasattr(_module, _name):  # pragma: no cover
             raise _missing(f"`{getattr(_module, '__name__', _module)}.{_name}`")
-
-unscale_loss_for_distribution = loss_module.unscale_loss_for_distribution
-
 
 def flat_losses(compile_loss):
     """The mutable list of a built `CompileLoss`'s loss entries."""
@@ -255,7 +251,8 @@ def compile_loss(model):
 def track_loss(model, loss, batch_size):
     """Adds a step's (distribution-scaled) loss to the logged `loss`."""
     model._loss_tracker.update_state(
-        unscale_loss_for_distribution(loss), sample_weight=batch_size
+        loss_module.unscale_loss_for_distribution(loss),
+        sample_weight=batch_size,
     )
 
 
