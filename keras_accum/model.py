@@ -192,10 +192,17 @@ def _flush_function(model):
 class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     """A `keras.Model` that applies one update every N micro-batches.
 
-    Every `gradient_accumulation_steps` micro-batches, one optimizer update
-    is applied: the update one batch of all their samples would give. Use it
-    like `keras.Model` (functional or subclassed), or make an existing model
-    accumulate with `from_model()`. See docs/semantics.md.
+    `fit()` feeds micro-batches as usual; every `gradient_accumulation_steps`
+    of them one optimizer update is applied: the update one batch of all
+    their samples would give (each micro-batch weighted by its loss's
+    normaliser: samples, valid pixels, or sample-weight sum). Everything that
+    counts steps (`iterations`, schedules, EMA, weight decay, clipping)
+    counts updates. The pending window is saved with the model, and a
+    partial window is applied before validation and before other callbacks
+    see an epoch's end (docs/semantics.md).
+
+    Use it like `keras.Model` (functional or subclassed), or make an
+    existing model accumulate with `from_model()`.
 
     Args:
         gradient_accumulation_steps: int >= 1, micro-batches per update.
@@ -213,8 +220,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             each train step splits its batch into micro-batches of at most
             this many rows (per replica) and accumulates them inside the
             step; a window is then `gradient_accumulation_steps` train
-            steps. `"auto"`: the largest micro-batch that fits in the
-            device's memory (see the README, "Training in small memory").
+            steps. Metrics and the logged loss are the whole batch's.
+            `"auto"`: the largest micro-batch that fits in the device's
+            memory; a step that runs out of memory is rolled back and
+            trained again with half the micro-batch (see the README,
+            "Training in small memory").
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -385,9 +395,10 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def from_model(cls, model, gradient_accumulation_steps, **kwargs):
         """Makes an existing model train with accumulation, in place.
 
-        The model stays an instance of its class and keeps its weights and
-        compile state; its class becomes a subclass of that class and of
-        `GradientAccumulationModel`.
+        The model stays an instance of its class (a keras-hub task keeps
+        its preprocessor, `generate()` and compile defaults) and keeps its
+        weights and compile state; its class becomes a subclass of that
+        class and of `GradientAccumulationModel`, saved and loaded as such.
 
         Args:
             model: a `keras.Model` of any kind: functional, `Sequential`,

@@ -26,11 +26,19 @@ _DAMAGE = (OSError, ValueError, KeyError, TypeError)
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training and resumes it exactly, mid-epoch and mid-window.
 
-    Like `keras.callbacks.BackupAndRestore`, a `fit()` started again with the
-    same command resumes from the last backup; unlike it, the batches that
-    the backup had already seen are skipped, not trained again, so the run
-    ends with the weights of the uninterrupted one when the input comes in
-    the same order in every run. See docs/semantics.md, "Saving and
+    Like `keras.callbacks.BackupAndRestore`, a `fit()` that was interrupted
+    (an exception, a preempted machine, `SIGKILL`) and is started again with
+    the same command resumes from the last backup; unlike it, the batches
+    that the backup had already seen are skipped, not trained again, so the
+    run ends with the weights of the uninterrupted one.
+
+    A resume restores the weights, the optimizer, the pending window, the
+    seed generators' states (`Dropout` draws the uninterrupted run's masks)
+    and the position in the epoch; not metrics, nor the input: it is exact
+    when the input comes in the same order in every run
+    (`fit(..., shuffle=False)`, or a `tf.data` pipeline that does not
+    reshuffle between runs). A process killed while writing a backup
+    resumes from the previous one. See docs/semantics.md, "Saving and
     resuming".
 
     Args:
