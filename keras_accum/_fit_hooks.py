@@ -119,7 +119,8 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
 
 
 class _WindowEnd(keras.callbacks.Callback):
-    """Runs first: the window's end before others see an epoch's end."""
+    """Runs first: the window's end before others see an epoch's end (the
+    last epoch's always: before EMA is finalized); the start line."""
 
     def __init__(self, batch=None):
         super().__init__()
@@ -150,7 +151,8 @@ class _WindowEnd(keras.callbacks.Callback):
 
 
 class _LastWindowEnd(keras.callbacks.Callback):
-    """Runs last: the window's end after an epoch's last batch."""
+    """Runs last: the window's end after an epoch's last batch (before
+    validation), and a carried one's when a callback stopped `fit()`."""
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self.params.get("steps") if self.params else None

@@ -59,7 +59,10 @@ class GradientAccumulator(tf.Module):
     applied once to `sum_k(D_k * g_k) / sum_k(D_k)`, what one batch of all
     the window's samples would give. A train step calls `add()` for each of
     its micro-batches, then `end_step()`; `accumulate_and_maybe_apply()` is
-    both, for one micro-batch per step.
+    both, for one micro-batch per step. The state (`window`: counters and
+    float32 buffers, per replica) is saved with the model. With a
+    `LossScaleOptimizer`, micro-batches are unscaled one by one and the
+    inner optimizer takes one step per window.
 
     Args:
         gradient_accumulation_steps: int >= 1, train steps per update.

@@ -75,10 +75,7 @@ class _CallGroup(tf.Module):
                 counts.append(tf.zeros((), tf.int64))
                 means.append(zeros)
                 variances.append(zeros)
-        # One count per call, repeated over the call's channels.
-        call_of_entry = [
-            i for i, size in enumerate(self.sizes) for _ in range(size)
-        ]
+        call_of_entry = _per_channel(range(len(self.sizes)), self.sizes)
         return (
             tf.gather(tf.cast(tf.stack(counts), self.dtype), call_of_entry),
             _concat(means),
