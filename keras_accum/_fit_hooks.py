@@ -98,7 +98,9 @@ def _describe_window(model, batch, steps):
 
 
 def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
-    """`callbacks` with the window's end first and last, and our bar."""
+    """`callbacks` with the window's end first and last (our
+    `BackupAndRestore` right after the first), and a progress bar that
+    shows `updates` as an integer."""
     batch = _batch_size(x, (fit_kwargs or {}).get("batch_size"))
     first, last = [_WindowEnd(batch)], [_LastWindowEnd()]
     if isinstance(callbacks, keras.callbacks.CallbackList):

@@ -214,6 +214,8 @@ class WindowState(tf.Module):
         """Assigns saved per-replica values (the rest waits for `build()`)."""
         steps = values.get("steps_in_window")
         seen = values.get("micro_step")
+        # Saved when only train steps of several micro-batches counted
+        # `steps_in_window`: each of its micro-batches was one train step.
         if seen is not None and (steps is None or not any(steps)):
             values = dict(values, steps_in_window=seen)
         object.__setattr__(
