@@ -4,7 +4,9 @@ Every equivalence test trains two models from the same initial weights on the
 same samples in the same order: plain `keras.Model` on batches of `N * B`
 (the independent reference) and `GradientAccumulationModel` on micro-batches
 of `B` with `gradient_accumulation_steps=N`. The largest relative difference
-seen per case is printed in a table at the end of the run.
+seen per case is printed in a table at the end of the run. A reference
+training is run once per test run and configuration, and shared by the
+cases that differ only in how ours trains (`helpers.fit_reference`).
 """
 
 import os
@@ -98,14 +100,52 @@ def _background_runs(request, tmp_path_factory):
         start(tmp_path_factory)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_reference_runs(tmp_path_factory):
+    """Has `helpers.fit_reference` keep each reference training for the
+    test run, in a folder that every pytest-xdist worker reads."""
+    import background
+    import helpers
+
+    helpers.REFERENCE_RUNS = background.root(tmp_path_factory) / "references"
+    yield
+    helpers.REFERENCE_RUNS = None
+
+
 @pytest.fixture(autouse=True)
 def _restore_precision():
     floatx = keras.config.floatx()
     policy = keras.config.dtype_policy()
+    gradients = set(_gradient_registry())
     yield
     keras.config.set_floatx(floatx)
     keras.config.set_dtype_policy(policy)
+    _forget_custom_gradients(gradients)
     keras.backend.clear_session()
+
+
+def _gradient_registry():
+    """TensorFlow's registry of gradient functions, by op type name."""
+    from tensorflow.python.framework import ops
+
+    return ops._gradient_registry._registry
+
+
+def _forget_custom_gradients(before):
+    """Drops the gradient functions that the test's graphs registered.
+
+    Every `tf.custom_gradient` traced in a graph registers a gradient
+    function under a new name, and TensorFlow never removes it: each
+    traced optimizer update (Keras' gradient all-reduce) registers one
+    that holds its whole graph. Left there, the graphs of every test
+    would stay alive, and `clear_session()`'s garbage collection would
+    scan them all after each later test (0.3 to 0.8 s per test late in a
+    run). No graph of an ended test is differentiated again.
+    """
+    registry = _gradient_registry()
+    for name in set(registry) - before:
+        if name.startswith("CustomGradient-"):
+            del registry[name]
 
 
 @pytest.fixture

@@ -1,5 +1,10 @@
 """Model builders and the side-by-side trainer used by the tests."""
 
+import hashlib
+import json
+import os
+import shutil
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -159,6 +164,7 @@ def fit_side_by_side(
     loss_weights=None,
     metrics=None,
     in_step=False,
+    same_mode=False,
     **fit_kwargs,
 ):
     """Trains `reference` on batches of `steps * micro_batch` and `ours` on
@@ -166,7 +172,9 @@ def fit_side_by_side(
 
     `in_step`: ours with the micro-batches inside the train step
     (`micro_batch_size`, see `_in_step()`), as the `in_step` fixture says
-    (True in tests/test_in_step.py).
+    (True in tests/test_in_step.py). The reference trains in graph mode
+    whatever the mode of ours (in the mode of ours if `same_mode`, for a
+    bitwise comparison), once per configuration (`fit_reference`).
 
     Returns:
         (initial weights, reference History, our History)
@@ -177,28 +185,120 @@ def fit_side_by_side(
     if in_step:
         batch, check = _in_step(ours, micro_batch, steps)
     for model, batch in ((reference, steps * micro_batch), (ours, batch)):
+        is_reference = model is reference
         model.compile(
             optimizer=optimizer(),
             loss=loss,
             loss_weights=loss_weights,
             metrics=metrics,
-            **compile_kwargs,
+            **(dict(compile_kwargs, **REFERENCE_MODE)
+               if is_reference and not same_mode else compile_kwargs),
+        )
+        fit_args = dict(
+            x=x,
+            y=y,
+            sample_weight=sample_weight,
+            batch_size=batch,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            **fit_kwargs,
         )
         histories.append(
-            model.fit(
-                x,
-                y,
-                sample_weight=sample_weight,
-                batch_size=batch,
-                epochs=epochs,
-                shuffle=False,
-                verbose=0,
-                **fit_kwargs,
-            )
+            fit_reference(model, **fit_args) if is_reference
+            else model.fit(**fit_args)
         )
     if check is not None:
         check(None if "steps_per_epoch" in fit_kwargs else len(x) * epochs)
     return initial, histories[0], histories[1]
+
+
+# The reference of `fit_side_by_side` is plain `keras.Model` in graph mode,
+# whatever the mode of ours: the big batch's update does not depend on how
+# Keras executes it, and one mode lets cases that differ only in the mode
+# of ours (and tests/test_in_step.py's reruns) share its training.
+REFERENCE_MODE = dict(run_eagerly=False, jit_compile=False)
+
+# Where finished reference trainings are kept for the test run (set by
+# conftest.py; shared by the pytest-xdist workers). `None`: not kept.
+REFERENCE_RUNS = None
+
+
+def fit_reference(reference, **fit_args):
+    """`reference.fit(**fit_args)` for a compiled plain `keras.Model`, or
+    the outcome of the same training earlier in this test run: its final
+    weights, optimizer iterations and history, put in place.
+
+    A training is the same when everything that determines it is: the
+    architecture, the initial weights, the compile arguments, the precision,
+    the data and the fit arguments (`_fingerprint`). One that cannot be
+    fingerprinted (a dataset, callbacks) is trained every time.
+    """
+    key = _fingerprint(reference, fit_args) if REFERENCE_RUNS else None
+    folder = REFERENCE_RUNS / key if key else None
+    if folder is not None and (folder / "done").exists():
+        with np.load(folder / "weights.npz") as saved:
+            reference.set_weights([saved[f"w{i}"] for i in range(len(saved))])
+        outcome = json.loads((folder / "done").read_text())
+        reference.optimizer.iterations.assign(outcome["iterations"])
+        history = keras.callbacks.History()
+        history.history = outcome["history"]
+        return history
+    history = reference.fit(**fit_args)
+    if folder is not None:
+        part = folder.with_name(f"{key}.{os.getpid()}.part")
+        part.mkdir(parents=True, exist_ok=True)
+        weights = reference.get_weights()
+        np.savez(
+            part / "weights.npz", **{f"w{i}": w for i, w in enumerate(weights)}
+        )
+        (part / "done").write_text(json.dumps({
+            "iterations": int(reference.optimizer.iterations.numpy()),
+            "history": {k: [float(v) for v in values]
+                        for k, values in history.history.items()},
+        }))
+        try:
+            part.rename(folder)
+        except OSError:  # the other worker finished the same training first
+            shutil.rmtree(part, ignore_errors=True)
+    return history
+
+
+def _fingerprint(reference, fit_args):
+    """A digest of what determines `reference.fit(**fit_args)`, or `None`."""
+    if type(reference).__name__ != "Functional":
+        return None
+    digest = hashlib.sha256()
+
+    def add(value):
+        if isinstance(value, np.ndarray):
+            digest.update(f"{value.dtype}{value.shape}".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"{type(value).__name__}{len(value)}".encode())
+            for item in value:
+                add(item)
+        elif isinstance(value, dict):
+            digest.update(f"dict{len(value)}".encode())
+            for name in sorted(value):
+                add(name)
+                add(value[name])
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            digest.update(repr((type(value).__name__, value)).encode())
+        else:
+            raise TypeError(type(value))
+
+    try:
+        add(keras.config.floatx())
+        add(keras.config.dtype_policy().name)
+        add(reference.to_json())
+        add([np.asarray(w) for w in reference.get_weights()])
+        add(json.dumps(reference.get_compile_config(), sort_keys=True,
+                       default=repr))
+        add(fit_args)
+    except TypeError:
+        return None
+    return digest.hexdigest()
 
 
 def classification_data(n=40, features=6, classes=3, seed=0):

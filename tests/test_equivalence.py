@@ -283,7 +283,7 @@ def test_one_step_trains_exactly_like_keras_model(
     fit_side_by_side(
         reference, ours, x, y, 8, 1, OPTIMIZERS["adam"], scce(),
         compile_kwargs, epochs=2,
-        in_step=in_step,
+        in_step=in_step, same_mode=True,
     )
     for a, b in zip(reference.get_weights(), ours.get_weights()):
         np.testing.assert_array_equal(a, b)

@@ -12,6 +12,7 @@ from conftest import assert_close_to_reference
 from helpers import Plain
 from helpers import Subclassed
 from helpers import classification_data
+from helpers import fit_reference
 
 import keras_accum
 
@@ -60,7 +61,7 @@ def test_converted_model_equals_big_batch(kind, mode, compile_kwargs, float64):
     assert model is original and isinstance(model, cls)
     initial = [np.array(w) for w in reference.get_weights()]
     reference.compile(optimizer=keras.optimizers.Adam(0.05), loss=_scce())
-    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    fit_reference(reference, x=x, y=y, batch_size=8, shuffle=False, verbose=0)
     model.compile(
         optimizer=keras.optimizers.Adam(0.05), loss=_scce(), **compile_kwargs
     )

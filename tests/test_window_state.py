@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 from conftest import record
 from conftest import relative_difference
+from helpers import fit_reference
 
 import keras_accum
 
@@ -329,7 +330,10 @@ def test_unknown_length_equals_big_batch(
     x, y = _data(micro_batches * B)
     reference = _net(keras.Model)
     _compile(reference, optimizer)
-    reference.fit(x, y, batch_size=N * B, epochs=2, shuffle=False, verbose=0)
+    fit_reference(
+        reference, x=x, y=y, batch_size=N * B, epochs=2, shuffle=False,
+        verbose=0,
+    )
 
     model = _ours_in(mode, optimizer)
     model.fit(_unknown_length(kind, x, y), epochs=2, verbose=0)
@@ -347,7 +351,9 @@ def test_python_generator(micro_batches, optimizer, mode, float64):
     x, y = _data(micro_batches * B)
     reference = _net(keras.Model)
     _compile(reference, optimizer)
-    reference.fit(x, y, batch_size=N * B, shuffle=False, verbose=0)
+    fit_reference(
+        reference, x=x, y=y, batch_size=N * B, shuffle=False, verbose=0
+    )
 
     model = _ours_in(mode, optimizer)
     model.fit(_batches(x, y), verbose=0)
