@@ -265,8 +265,10 @@ def fit_reference(reference, **fit_args):
 
 
 def _fingerprint(reference, fit_args):
-    """A digest of what determines `reference.fit(**fit_args)`, or `None`."""
-    if type(reference).__name__ != "Functional":
+    """A digest of what determines `reference.fit(**fit_args)`, or `None`
+    (also for a model that draws random numbers: they depend on what ran
+    before in the process)."""
+    if type(reference).__name__ != "Functional" or _draws_random(reference):
         return None
     digest = hashlib.sha256()
 
@@ -299,6 +301,13 @@ def _fingerprint(reference, fit_args):
     except TypeError:
         return None
     return digest.hexdigest()
+
+
+def _draws_random(layer):
+    """Whether `layer` or a layer in it has a seed generator (`Dropout`)."""
+    return hasattr(layer, "seed_generator") or any(
+        _draws_random(inner) for inner in getattr(layer, "layers", [])
+    )
 
 
 def classification_data(n=40, features=6, classes=3, seed=0):
