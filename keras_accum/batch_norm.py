@@ -41,19 +41,22 @@ _Call = collections.namedtuple("_Call", ["layer", "index", "size"])
 
 
 class _CallGroup(tf.Module):
-    """The window's running (count, mean, M2) of several calls, flattened
-    into three per-replica vectors (one entry per channel of each call)."""
+    """The window's running (count, mean, M2) of the calls with one index
+    and moving-statistics dtype, flattened into three per-replica vectors
+    (one entry per channel of each call)."""
 
-    def __init__(self, keys, dtype, name):
+    def __init__(self, keys, moving_dtype, name):
         super().__init__(name=name)
-        self.dtype = dtype
+        self.index = keys[0][1]
+        self.moving_dtype = moving_dtype
+        self.dtype = accumulation_dtype(moving_dtype)
         self.calls = [
             _Call(layer, index, layer.moving_mean.shape.num_elements())
             for layer, index in keys
         ]
         self.sizes = [call.size for call in self.calls]
         with tf.init_scope():
-            zeros = tf.zeros((sum(self.sizes),), dtype)
+            zeros = tf.zeros((sum(self.sizes),), self.dtype)
             self.count = state_variable(zeros, name + "_count")
             self.mean = state_variable(zeros, name + "_mean")
             self.m2 = state_variable(zeros, name + "_m2")
@@ -95,6 +98,32 @@ class _CallGroup(tf.Module):
         for variable in (self.count, self.mean, self.m2):
             variable.assign(tf.zeros_like(variable))
 
+    def update_moving(self, has, mean, variance):
+        """Moves the layers' statistics towards the window's, where `has`."""
+        dtype = self.moving_dtype
+        layers = [call.layer for call in self.calls]
+        momenta = [layer.momentum for layer in layers]
+        momentum = tf.constant(_per_channel(momenta, self.sizes), dtype)
+        rest = [1.0 - m for m in momenta]
+        rest = tf.constant(_per_channel(rest, self.sizes), dtype)
+        for name, value in (
+            ("moving_mean", mean),
+            ("moving_variance", variance),
+        ):
+            variables = [getattr(layer, name) for layer in layers]
+            moving = _concat(
+                [_flat(tf.convert_to_tensor(v), dtype) for v in variables]
+            )
+            value = tf.cast(value, dtype)
+            updated = tf.where(has, moving * momentum + value * rest, moving)
+            parts = tf.split(updated, self.sizes) if len(layers) > 1 else [
+                updated
+            ]
+            for variable, part in zip(variables, parts):
+                if part.shape != variable.shape:
+                    part = tf.reshape(part, variable.shape)
+                variable.assign(part)
+
 
 def combine_moments(a, b):
     """Chan et al.'s parallel combination: the (count, mean, M2) of the union
@@ -113,56 +142,11 @@ def combine_moments(a, b):
 
 def _update_moving_statistics(statistics):
     """`moving = moving * momentum + window * (1 - momentum)` where n > 0,
-    for (group, count, mean, m2) per group, call index by call index."""
-    # (has samples, mean, variance), flat per channel, for each group.
-    flat = [
-        (group, count > 0, mean, tf.math.divide_no_nan(m2, count))
-        for group, count, mean, m2 in statistics
-    ]
-    rounds = {}  # (call index, moving dtype) -> calls
-    for group, *_ in flat:
-        for call in group.calls:
-            key = (call.index, tf.as_dtype(call.layer.moving_mean.dtype))
-            rounds.setdefault(key, []).append(call)
-    split = None  # call -> its parts of `flat`; made only when needed
-    for (_, dtype), calls in sorted(
-        rounds.items(), key=lambda item: item[0][0]
+    for (group, count, mean, m2) per group, in the order of the calls."""
+    for group, count, mean, m2 in sorted(
+        statistics, key=lambda entry: entry[0].index
     ):
-        # Usually (each layer called once) a round is one whole group: its
-        # flat vectors are used as they are.
-        whole = [entry for entry in flat if entry[0].calls == calls]
-        if whole:
-            _, has, mean, variance = whole[0]
-        else:
-            if split is None:
-                split = {}
-                for group, *vectors in flat:
-                    parts = [tf.split(v, group.sizes) for v in vectors]
-                    for call, *call_parts in zip(group.calls, *parts):
-                        split[call] = call_parts
-            has, mean, variance = (
-                _concat([split[call][i] for call in calls]) for i in range(3)
-            )
-        sizes = [call.size for call in calls]
-        momenta = [call.layer.momentum for call in calls]
-        momentum = tf.constant(_per_channel(momenta, sizes), dtype)
-        rest = [1.0 - m for m in momenta]
-        rest = tf.constant(_per_channel(rest, sizes), dtype)
-        for name, value in (
-            ("moving_mean", mean),
-            ("moving_variance", variance),
-        ):
-            variables = [getattr(call.layer, name) for call in calls]
-            moving = _concat(
-                [_flat(tf.convert_to_tensor(v), dtype) for v in variables]
-            )
-            value = tf.cast(value, dtype)
-            updated = tf.where(has, moving * momentum + value * rest, moving)
-            parts = tf.split(updated, sizes) if len(sizes) > 1 else [updated]
-            for variable, part in zip(variables, parts):
-                if part.shape != variable.shape:
-                    part = tf.reshape(part, variable.shape)
-                variable.assign(part)
+        group.update_moving(count > 0, mean, tf.math.divide_no_nan(m2, count))
 
 
 def _per_channel(values, sizes):
@@ -378,18 +362,18 @@ class WindowBatchNormStatistics(tf.Module):
         )
 
     def _ensure_calls(self, keys):
-        """Creates one group for the (layer, call index) pairs not yet held."""
+        """Creates groups for the (layer, call index) pairs not yet held."""
         with self._lock:
             missing = []
             for layer, index in keys:
                 call = self._calls_by_key.get((id(layer), index))
                 if call is None or call.layer is not layer:
                     missing.append((layer, index))
-            by_dtype = {}
+            by_kind = {}  # (call index, moving dtype) -> keys
             for layer, index in missing:
-                dtype = accumulation_dtype(layer.moving_mean.dtype)
-                by_dtype.setdefault(dtype, []).append((layer, index))
-            for dtype, group_keys in by_dtype.items():
+                kind = (index, tf.as_dtype(layer.moving_mean.dtype))
+                by_kind.setdefault(kind, []).append((layer, index))
+            for (_, dtype), group_keys in by_kind.items():
                 group = _CallGroup(
                     group_keys, dtype, f"window_batch_norm_{len(self._groups)}"
                 )
