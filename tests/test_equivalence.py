@@ -121,6 +121,24 @@ def test_short_last_micro_batch_and_window(
     )
 
 
+def test_partial_windows_of_many_epochs(float64, mode, compile_kwargs):
+    """Six epochs that each end with a partial window: the first four are
+    applied eagerly, the later ones by a traced function (docs/design.md)."""
+    # 35 samples, B=5, N=3: windows 15 | 15 | 5 per epoch.
+    x, y = classification_data(n=35)
+    reference, ours = twins(dense_net, steps=3)
+    initial, _, _ = fit_side_by_side(
+        reference, ours, x, y, 5, 3, OPTIMIZERS["adam"], scce(),
+        compile_kwargs, epochs=6,
+    )
+    assert int(ours.optimizer.iterations) == 18
+    assert int(ours.micro_step) == 0
+    assert_close_to_reference(
+        "c. partial windows of six epochs",
+        initial, reference.get_weights(), ours.get_weights(), RTOL["float64"],
+    )
+
+
 def test_carry_over_across_epochs(float64, mode, compile_kwargs):
     """`flush_at_epoch_end=False`: windows span epochs; fit() ends flushed."""
     x, y = classification_data(n=35)
