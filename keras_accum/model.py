@@ -196,11 +196,12 @@ def _flush_function(model):
     traced = tf.function(flush)
     if strategy.num_replicas_in_sync > 1:
         return traced
-    calls = []
+    calls = 0
 
     def first_eagerly():
-        calls.append(None)
-        return flush() if len(calls) <= _EAGER_FLUSHES else traced()
+        nonlocal calls
+        calls += 1
+        return flush() if calls <= _EAGER_FLUSHES else traced()
 
     return first_eagerly
 
