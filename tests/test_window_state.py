@@ -196,35 +196,66 @@ SAVE_PATHS = [
 ]
 
 
+def _save_points(flush_at_epoch_end):
+    """(epoch, batches done) where the uninterrupted run saves."""
+    if flush_at_epoch_end:
+        # micro_step 1, 2, 3 of the first window of the last epoch (after
+        # the updates of the first one, its partial window included).
+        return [(1, 1), (1, 2), (1, 3)]
+    # micro_step 3 carried over the boundary; then micro_step 1 and 2.
+    return [(0, "end"), (1, 2), (1, 3)]
+
+
+def _uninterrupted_run(optimizer, flush_at_epoch_end, tmp_path_factory):
+    """The uninterrupted run of `optimizer` and flush mode, which saves at
+    its points by every path of `SAVE_PATHS` (a folder each): its folder,
+    with its final weights and iterations. Trained once per test run, in a
+    folder every pytest-xdist worker reads (saving changes nothing: see
+    `test_restore_in_graph_and_xla`)."""
+    import background
+
+    name = f"{optimizer}-{flush_at_epoch_end}"
+    folder = background.root(tmp_path_factory) / "uninterrupted" / name
+    if not (folder / "done").exists():
+        part = folder.with_name(f"{name}.{os.getpid()}.part")
+        callbacks = []
+        for path in SAVE_PATHS:
+            os.makedirs(part / path)
+            savers, _ = _saver(path, str(part / path))
+            callbacks += savers(_save_points(flush_at_epoch_end))
+        model = _ours(optimizer, flush_at_epoch_end, batch_norm=True)
+        x, y = _data(7 * B)
+        _fit(model, x, y, epochs=2, callbacks=callbacks)
+        np.savez(part / "weights.npz", *model.get_weights())
+        (part / "done").write_text(str(int(model.optimizer.iterations)))
+        try:
+            part.rename(folder)
+        except OSError:  # another worker trained the same run first
+            shutil.rmtree(part, ignore_errors=True)
+    with np.load(folder / "weights.npz") as saved:
+        weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    return folder, weights, int((folder / "done").read_text())
+
+
 @pytest.mark.parametrize("flush_at_epoch_end", [True, False])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("path", SAVE_PATHS)
 def test_restore_mid_window_equals_uninterrupted(
-    path, optimizer, flush_at_epoch_end, float64, tmp_path
+    path, optimizer, flush_at_epoch_end, float64, tmp_path_factory
 ):
     # 7 micro-batches per epoch, 2 epochs: a partial window every epoch
     # (flushed, or carried over the epoch boundary).
     x, y = _data(7 * B)
     epochs = 2
-    if flush_at_epoch_end:
-        # micro_step 1, 2, 3 of the first window of the last epoch (after
-        # the updates of the first one, its partial window included).
-        points = [(1, 1), (1, 2), (1, 3)]
-    else:
-        # micro_step 3 carried over the boundary; then micro_step 1 and 2.
-        points = [(0, "end"), (1, 2), (1, 3)]
+    folder, expected, iterations = _uninterrupted_run(
+        optimizer, flush_at_epoch_end, tmp_path_factory
+    )
+    _, restore = _saver(path, str(folder / path))
 
     def make():
         return _ours(optimizer, flush_at_epoch_end, batch_norm=True)
 
-    # The run that saves is the uninterrupted run (saving changes nothing:
-    # see `test_restore_in_graph_and_xla`).
-    callbacks, restore = _saver(path, str(tmp_path))
-    uninterrupted = make()
-    _fit(uninterrupted, x, y, epochs=epochs, callbacks=callbacks(points))
-    expected = uninterrupted.get_weights()
-
-    for point in points:
+    for point in _save_points(flush_at_epoch_end):
         model = restore(point, make)
         epoch, done = point
         if done != "end":
@@ -235,9 +266,7 @@ def test_restore_mid_window_equals_uninterrupted(
         diff = relative_difference(expected, model.get_weights())
         record(f"restored mid-window: {path}", diff)
         assert diff <= EXACT, f"{path} at {point}: {diff:.3g}"
-        assert int(model.optimizer.iterations) == int(
-            uninterrupted.optimizer.iterations
-        )
+        assert int(model.optimizer.iterations) == iterations
         assert int(model.micro_step) == 0
 
 
