@@ -302,13 +302,14 @@ def test_start_line_and_logs(capsys):
 
 
 def test_keras_hub_task(float64):
-    """A keras-hub causal LM on raw strings: batches of 8 texts split in
-    micro-batches of 2 (16, 5, 10 and 3 real tokens), the loss a mean over
-    real tokens; against keras-hub's own task on the batch."""
+    """A keras-hub causal LM on its preprocessor's tokens and padding mask:
+    batches of 8 texts split in micro-batches of 2 (16, 5, 10 and 3 real
+    tokens), the loss a mean over real tokens; against keras-hub's own task
+    on the batch. (Raw strings: tests/test_keras_hub.py.)"""
     keras_hub = pytest.importorskip("keras_hub")
-    from test_keras_hub import TEXTS
     from test_keras_hub import _assert_window_equals_big_batch
     from test_keras_hub import _gpt2
+    from test_keras_hub import _tokens
 
     def compile_kwargs():
         return dict(
@@ -318,21 +319,25 @@ def test_keras_hub_task(float64):
             ),
         )
 
-    reference = _gpt2()
+    x, y, sample_weight = _tokens()
+    reference = _gpt2(with_preprocessor=False)
     ours = keras_accum.GradientAccumulationModel.from_model(
-        _gpt2(), gradient_accumulation_steps=1, micro_batch_size=2
+        _gpt2(with_preprocessor=False),
+        gradient_accumulation_steps=1,
+        micro_batch_size=2,
     )
     initial = [np.array(w) for w in reference.get_weights()]
-    reference.compile(**compile_kwargs())
-    reference.fit(TEXTS, batch_size=8, verbose=0)
-    ours.compile(**compile_kwargs())
-    ours.fit(TEXTS, batch_size=8, verbose=0)
+    for model in (reference, ours):
+        model.compile(**compile_kwargs())
+        model.fit(x, y, sample_weight=sample_weight, batch_size=8,
+                  shuffle=False, verbose=0)
     assert int(ours.optimizer.iterations) == 1
     assert isinstance(ours, keras_hub.models.GPT2CausalLM)
     _assert_window_equals_big_batch(
         "in-step: keras-hub GPT2CausalLM, mean over real tokens",
         initial, reference, ours,
     )
+    ours.preprocessor = _gpt2().preprocessor  # for `generate()`
     assert isinstance(ours.generate("air", max_length=6), str)
 
 

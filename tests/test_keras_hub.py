@@ -46,15 +46,16 @@ def _vocabulary():
     return {t: i for i, t in enumerate(tokens)}
 
 
-def _gpt2(cls=None, seed=0, **kwargs):
-    """A tiny `GPT2CausalLM` (or `cls`) with its preprocessor."""
+def _gpt2(cls=None, seed=0, with_preprocessor=True, **kwargs):
+    """A tiny `GPT2CausalLM` (or `cls`), with its preprocessor unless
+    `with_preprocessor` is `False` (it then trains on `_tokens()`)."""
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GPT2Tokenizer(
         vocabulary=_vocabulary(), merges=MERGES
     )
     preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
         tokenizer, sequence_length=SEQUENCE_LENGTH
-    )
+    ) if with_preprocessor else None
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=tokenizer.vocabulary_size(),
         num_layers=1,
@@ -66,6 +67,21 @@ def _gpt2(cls=None, seed=0, **kwargs):
     )
     cls = cls or keras_hub.models.GPT2CausalLM
     return cls(backbone=backbone, preprocessor=preprocessor, **kwargs)
+
+
+_TOKENS = []
+
+
+def _tokens():
+    """`TEXTS` through the preprocessor, once: `(x, y, sample_weight)`, the
+    padding mask the sample weight. (Each `fit()` on raw strings traces the
+    tokenizer again, which costs more than training the tiny model.)"""
+    if not _TOKENS:
+        preprocessor = _gpt2().preprocessor
+        _TOKENS.extend(
+            keras.tree.map_structure(np.asarray, preprocessor(TEXTS))
+        )
+    return _TOKENS
 
 
 def _assert_window_equals_big_batch(case, initial, reference, ours):
@@ -168,18 +184,20 @@ def test_padded_language_model_window_equals_big_batch(float64):
             ),
         )
 
-    reference = _gpt2()
-    ours = GAM.from_model(_gpt2(), gradient_accumulation_steps=4)
-    builtin = _gpt2()
+    x, y, sample_weight = _tokens()
+    reference = _gpt2(with_preprocessor=False)
+    ours = GAM.from_model(
+        _gpt2(with_preprocessor=False), gradient_accumulation_steps=4
+    )
+    builtin = _gpt2(with_preprocessor=False)
     initial = [np.array(w) for w in reference.get_weights()]
     for model in (ours, builtin):
         np.testing.assert_array_equal(model.get_weights()[0], initial[0])
-    reference.compile(**compile_kwargs())
-    reference.fit(TEXTS, batch_size=8, verbose=0)
-    ours.compile(**compile_kwargs())
-    ours.fit(TEXTS, batch_size=2, verbose=0)
-    builtin.compile(**compile_kwargs(steps=4))
-    builtin.fit(TEXTS, batch_size=2, verbose=0)
+    for model, batch, steps in ((reference, 8, None), (ours, 2, None),
+                                (builtin, 2, 4)):
+        model.compile(**compile_kwargs(steps))
+        model.fit(x, y, sample_weight=sample_weight, batch_size=batch,
+                  shuffle=False, verbose=0)
     assert int(ours.optimizer.iterations) == 1
     _assert_window_equals_big_batch(
         "keras-hub GPT2CausalLM, mean over real tokens (from_model)",
