@@ -235,19 +235,13 @@ def fit_reference(reference, **fit_args):
     fingerprinted (a dataset, callbacks) is trained every time.
     """
     key = _fingerprint(reference, fit_args) if REFERENCE_RUNS else None
-    folder = REFERENCE_RUNS / key if key else None
-    if folder is not None and (folder / "done").exists():
-        with np.load(folder / "weights.npz") as saved:
-            reference.set_weights([saved[f"w{i}"] for i in range(len(saved))])
-        outcome = json.loads((folder / "done").read_text())
-        reference.optimizer.iterations.assign(outcome["iterations"])
-        history = keras.callbacks.History()
-        history.history = outcome["history"]
-        return history
-    history = reference.fit(**fit_args)
-    if folder is not None:
-        part = folder.with_name(f"{key}.{os.getpid()}.part")
-        part.mkdir(parents=True, exist_ok=True)
+    if key is None:
+        return reference.fit(**fit_args)
+    trained = []
+
+    def train(part):
+        history = reference.fit(**fit_args)
+        trained.append(history)
         weights = reference.get_weights()
         np.savez(
             part / "weights.npz", **{f"w{i}": w for i, w in enumerate(weights)}
@@ -257,11 +251,36 @@ def fit_reference(reference, **fit_args):
             "history": {k: [float(v) for v in values]
                         for k, values in history.history.items()},
         }))
-        try:
-            part.rename(folder)
-        except OSError:  # the other worker finished the same training first
-            shutil.rmtree(part, ignore_errors=True)
+
+    folder = made_once(REFERENCE_RUNS / key, train)
+    if trained:
+        return trained[0]
+    with np.load(folder / "weights.npz") as saved:
+        reference.set_weights([saved[f"w{i}"] for i in range(len(saved))])
+    outcome = json.loads((folder / "done").read_text())
+    reference.optimizer.iterations.assign(outcome["iterations"])
+    history = keras.callbacks.History()
+    history.history = outcome["history"]
     return history
+
+
+def made_once(folder, make):
+    """`folder` (a `pathlib.Path`), made by `make(part)` unless it exists.
+
+    `make` fills a folder of this process's own, which is then renamed to
+    `folder`: a `folder` that exists is complete, whichever pytest-xdist
+    worker made it. If another one made it meanwhile, its copy is kept.
+    """
+    if folder.exists():
+        return folder
+    part = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    part.mkdir(parents=True, exist_ok=True)
+    make(part)
+    try:
+        part.rename(folder)
+    except OSError:  # another worker made it first
+        shutil.rmtree(part, ignore_errors=True)
+    return folder
 
 
 def _fingerprint(reference, fit_args):

@@ -309,6 +309,7 @@ def test_keras_hub_task(float64):
     keras_hub = pytest.importorskip("keras_hub")
     from test_keras_hub import _assert_window_equals_big_batch
     from test_keras_hub import _gpt2
+    from test_keras_hub import _preprocessor
     from test_keras_hub import _tokens
 
     def compile_kwargs():
@@ -337,7 +338,7 @@ def test_keras_hub_task(float64):
         "in-step: keras-hub GPT2CausalLM, mean over real tokens",
         initial, reference, ours,
     )
-    ours.preprocessor = _gpt2().preprocessor  # for `generate()`
+    ours.preprocessor = _preprocessor()  # for `generate()`
     assert isinstance(ours.generate("air", max_length=6), str)
 
 

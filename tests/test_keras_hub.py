@@ -4,6 +4,7 @@ Tiny models built from config, with a vocabulary made here (nothing is
 downloaded). The reference is keras-hub's own task on the big batch.
 """
 
+import functools
 import types
 
 import keras
@@ -46,18 +47,23 @@ def _vocabulary():
     return {t: i for i, t in enumerate(tokens)}
 
 
+def _preprocessor():
+    """The tiny tasks' `GPT2CausalLMPreprocessor` (its own tokenizer)."""
+    tokenizer = keras_hub.models.GPT2Tokenizer(
+        vocabulary=_vocabulary(), merges=MERGES
+    )
+    return keras_hub.models.GPT2CausalLMPreprocessor(
+        tokenizer, sequence_length=SEQUENCE_LENGTH
+    )
+
+
 def _gpt2(cls=None, seed=0, with_preprocessor=True, **kwargs):
     """A tiny `GPT2CausalLM` (or `cls`), with its preprocessor unless
     `with_preprocessor` is `False` (it then trains on `_tokens()`)."""
     keras.utils.set_random_seed(seed)
-    tokenizer = keras_hub.models.GPT2Tokenizer(
-        vocabulary=_vocabulary(), merges=MERGES
-    )
-    preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
-        tokenizer, sequence_length=SEQUENCE_LENGTH
-    ) if with_preprocessor else None
+    preprocessor = _preprocessor()
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(),
+        vocabulary_size=preprocessor.tokenizer.vocabulary_size(),
         num_layers=1,
         num_heads=2,
         hidden_dim=8,
@@ -66,22 +72,17 @@ def _gpt2(cls=None, seed=0, with_preprocessor=True, **kwargs):
         dropout=0.0,
     )
     cls = cls or keras_hub.models.GPT2CausalLM
+    if not with_preprocessor:
+        preprocessor = None
     return cls(backbone=backbone, preprocessor=preprocessor, **kwargs)
 
 
-_TOKENS = []
-
-
+@functools.cache
 def _tokens():
     """`TEXTS` through the preprocessor, once: `(x, y, sample_weight)`, the
     padding mask the sample weight. (Each `fit()` on raw strings traces the
     tokenizer again, which costs more than training the tiny model.)"""
-    if not _TOKENS:
-        preprocessor = _gpt2().preprocessor
-        _TOKENS.extend(
-            keras.tree.map_structure(np.asarray, preprocessor(TEXTS))
-        )
-    return _TOKENS
+    return keras.tree.map_structure(np.asarray, _preprocessor()(TEXTS))
 
 
 def _assert_window_equals_big_batch(case, initial, reference, ours):

@@ -19,6 +19,7 @@ import tensorflow as tf
 from conftest import record
 from conftest import relative_difference
 from helpers import fit_reference
+from helpers import made_once
 
 import keras_accum
 
@@ -214,10 +215,7 @@ def _uninterrupted_run(optimizer, flush_at_epoch_end, tmp_path_factory):
     `test_restore_in_graph_and_xla`)."""
     import background
 
-    name = f"{optimizer}-{flush_at_epoch_end}"
-    folder = background.root(tmp_path_factory) / "uninterrupted" / name
-    if not (folder / "done").exists():
-        part = folder.with_name(f"{name}.{os.getpid()}.part")
+    def train(part):
         callbacks = []
         for path in SAVE_PATHS:
             os.makedirs(part / path)
@@ -227,14 +225,15 @@ def _uninterrupted_run(optimizer, flush_at_epoch_end, tmp_path_factory):
         x, y = _data(7 * B)
         _fit(model, x, y, epochs=2, callbacks=callbacks)
         np.savez(part / "weights.npz", *model.get_weights())
-        (part / "done").write_text(str(int(model.optimizer.iterations)))
-        try:
-            part.rename(folder)
-        except OSError:  # another worker trained the same run first
-            shutil.rmtree(part, ignore_errors=True)
+        (part / "iterations").write_text(str(int(model.optimizer.iterations)))
+
+    name = f"{optimizer}-{flush_at_epoch_end}"
+    folder = made_once(
+        background.root(tmp_path_factory) / "uninterrupted" / name, train
+    )
     with np.load(folder / "weights.npz") as saved:
         weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-    return folder, weights, int((folder / "done").read_text())
+    return folder, weights, int((folder / "iterations").read_text())
 
 
 @pytest.mark.parametrize("flush_at_epoch_end", [True, False])
