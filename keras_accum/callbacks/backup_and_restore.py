@@ -156,9 +156,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if seen <= 0:
             return
         self._since_backup += seen
-        if not self._every_batches:
-            return
-        if self._since_backup >= self.save_freq:
+        if self._every_batches and self._since_backup >= self.save_freq:
             self._backup(self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -212,9 +210,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         _write_atomically(
             os.path.join(folder, _POSITION), json.dumps(position)
         )
-        _fsync_folder(folder)
+        _fsync(folder, required=False)
         _write_atomically(os.path.join(self.backup_dir, _LATEST), name)
-        _fsync_folder(self.backup_dir)
+        _fsync(self.backup_dir, required=False)
         keep = {name}
         if self.double_checkpoint and self._previous:
             keep.add(self._previous)
@@ -236,7 +234,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         ]
         return sorted(found, key=_order, reverse=True)
 
-    def _read_pointer(self):
+    def _read_pointer(self, folders):
         """(the folder `latest` names or None, what is wrong or None)."""
         path = os.path.join(self.backup_dir, _LATEST)
         try:
@@ -252,9 +250,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         name = text.strip()
         if not name:
             return None, f"The pointer file '{path}' is empty"
-        if not _FOLDER.fullmatch(name) or not os.path.isdir(
-            os.path.join(self.backup_dir, name)
-        ):
+        if name not in folders:
             return None, (
                 f"The pointer file '{path}' names no backup folder (it "
                 f"reads {text[:80]!r})"
@@ -271,28 +267,27 @@ class BackupAndRestore(keras.callbacks.Callback):
             for entry in folders
             if os.path.exists(os.path.join(self.backup_dir, entry, _POSITION))
         ]
-        pointed, problem = self._read_pointer()
-        problems, error = [], None
-        if pointed:
-            candidates = [pointed] + [e for e in complete if e != pointed]
-        else:
-            if problem is None:
-                if folders and not complete:
+        pointed, problem = self._read_pointer(folders)
+        if not pointed and problem is None:
+            if not complete:
+                if folders:
                     warnings.warn(
                         f"'{self.backup_dir}' holds only backups that were "
                         "not completed (a process killed while writing its "
                         "first one): training starts from the beginning.",
                         stacklevel=3,
                     )
-                if not complete:
-                    return None
-                problem = (
-                    "The pointer file "
-                    f"'{os.path.join(self.backup_dir, _LATEST)}' is missing "
-                    "although the folder holds backups"
-                )
-            problems.append(problem)
-            candidates = complete
+                return None
+            problem = (
+                "The pointer file "
+                f"'{os.path.join(self.backup_dir, _LATEST)}' is missing "
+                "although the folder holds backups"
+            )
+        problems = [problem] if problem else []
+        # The backup that `latest` names first, then the others newest first.
+        candidates = [pointed] if pointed else []
+        candidates += [entry for entry in complete if entry != pointed]
+        error = None
         for entry in candidates:
             try:
                 position = self._load(entry)
@@ -328,25 +323,22 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _load(self, entry):
         """Restores the backup in folder `entry`; returns its position."""
-        folder = os.path.join(self.backup_dir, entry)
-        path = os.path.join(folder, _POSITION)
+        position_path = os.path.join(self.backup_dir, entry, _POSITION)
+        weights_path = os.path.join(self.backup_dir, entry, _WEIGHTS)
         try:
-            position = _read_position(path)
+            position = _read_position(position_path)
         except _DAMAGE as error:
-            raise _DamagedBackup(path, error) from error
-        path = os.path.join(folder, _WEIGHTS)
+            raise _DamagedBackup(position_path, error) from error
         try:
             # Assigns every variable, also after a damaged backup's load
             # assigned some of them.
-            _load_all_weights(self.model, path)
+            _load_all_weights(self.model, weights_path)
         except _DAMAGE as error:
-            raise _DamagedBackup(path, error) from error
+            raise _DamagedBackup(weights_path, error) from error
         try:
             _restore_seeds(self.model, position)
         except ValueError as error:
-            raise _DamagedBackup(
-                os.path.join(folder, _POSITION), error
-            ) from error
+            raise _DamagedBackup(position_path, error) from error
         return position["epoch"], position["batches"]
 
 
@@ -365,13 +357,9 @@ class _DamagedBackup(Exception):
         self.error = error
 
 
-def _is_int(value):
-    """A JSON integer (`true` and `false` load as `bool`)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_seed_state(value):
-    return isinstance(value, list) and all(map(_is_int, value))
+    """A list of JSON integers (`true` and `false` load as `bool`)."""
+    return isinstance(value, list) and all(type(v) is int for v in value)
 
 
 def _read_position(path):
@@ -385,7 +373,7 @@ def _read_position(path):
     for key in ("epoch", "batches"):
         if key not in position:
             raise ValueError(f"`{key}` is missing")
-        if not _is_int(position[key]) or position[key] < 0:
+        if type(position[key]) is not int or position[key] < 0:
             raise ValueError(
                 f"`{key}` must be an integer >= 0. Received: "
                 f"{key}={position[key]!r}"
@@ -431,16 +419,12 @@ def _seed_states(model):
 
 def _seed_values(model):
     """The seed generators' states, for `position.json`."""
-    values = {
-        "seed_generators": [
-            np.asarray(v.numpy()).tolist() for v in _seed_states(model)
-        ]
-    }
+    states = [np.asarray(v.numpy()).tolist() for v in _seed_states(model)]
+    values = {"seed_generators": states}
     generator = compat.global_seed_generator()
     if generator is not None:
-        values["global_seed_generator"] = np.asarray(
-            generator.state.numpy()
-        ).tolist()
+        state = np.asarray(generator.state.numpy()).tolist()
+        values["global_seed_generator"] = state
     return values
 
 
@@ -481,20 +465,18 @@ def _write_atomically(path, text):
     os.replace(temporary, path)
 
 
-def _fsync(path):
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_folder(path):
-    """Makes a folder's new entries durable (where the system allows)."""
+def _fsync(path, required=True):
+    """Flushes `path` to disk; if not `required`, only where the system can."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
+        if required:
+            raise
         return
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if required:
+            raise
     finally:
         os.close(fd)
