@@ -1,5 +1,6 @@
-"""What `fit()` adds to Keras' loop: the window's end when the input runs
-out and before callbacks see an epoch's end, and the start line."""
+"""What `fit()` adds to Keras' loop: the window's end after an epoch's last
+batch (before validation) and before callbacks see an epoch's end, and the
+start line."""
 
 import keras
 import tensorflow as tf
@@ -30,6 +31,20 @@ class BatchSkip:
         return True
 
 
+class EpochEnd:
+    """Whether the end of the epoch in progress ends the pending window."""
+
+    def __init__(self):
+        self.last = False  # whether it is the last epoch of `fit()`
+
+    def begin(self, epoch, epochs):
+        self.last = epochs is not None and epoch + 1 >= epochs
+
+    def ends_window(self, model):
+        """`False` only where the window carries over into the next epoch."""
+        return model.flush_at_epoch_end or model.stop_training or self.last
+
+
 def window_train_function(model, train_function):
     """Keras' train function, ending the window when the input runs out."""
 
@@ -46,7 +61,7 @@ def window_train_function(model, train_function):
             # An epoch of unknown length ended: the window ends before
             # validation and the epoch's callbacks.
             model.batch_skip.set(0)
-            if model.flush_at_epoch_end:
+            if model.epoch_end.ends_window(model):
                 model.flush_gradients()
             raise
 
@@ -137,13 +152,11 @@ class _WindowEnd(keras.callbacks.Callback):
         if verbose != 0 and self.model.gradient_accumulator.accumulates:
             print(_describe_window(self.model, self.batch, params.get("steps")))
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.epoch_end.begin(epoch, (self.params or {}).get("epochs"))
+
     def on_epoch_end(self, epoch, logs=None):
-        epochs = self.params.get("epochs") if self.params else None
-        if (
-            self.model.flush_at_epoch_end
-            or self.model.stop_training
-            or (epochs is not None and epoch + 1 >= epochs)
-        ):
+        if self.model.epoch_end.ends_window(self.model):
             self.model.flush_gradients()
         if logs is not None and "updates" in logs:
             logs["updates"] = int(self.model.optimizer.iterations.numpy())
@@ -153,13 +166,16 @@ class _WindowEnd(keras.callbacks.Callback):
 
 
 class _LastWindowEnd(keras.callbacks.Callback):
-    """Runs last: the window's end after an epoch's last batch (before
-    validation), and a carried one's when a callback stopped `fit()`."""
+    """Runs last: the window's end after an epoch's last batch, or the batch
+    after which a callback stopped `fit()` (before validation), and a
+    carried one's when a callback stopped `fit()` at an epoch's end."""
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self.params.get("steps") if self.params else None
-        if self.model.flush_at_epoch_end and steps and batch + 1 >= steps:
-            self.model.flush_gradients()
+        model = self.model
+        last = model.stop_training or (steps and batch + 1 >= steps)
+        if last and model.epoch_end.ends_window(model):
+            model.flush_gradients()
 
     def on_epoch_end(self, epoch, logs=None):
         if self.model.stop_training:

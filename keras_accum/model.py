@@ -13,6 +13,7 @@ from keras_accum import _saved_window as saved_window
 from keras_accum import loss_normalizer
 from keras_accum._auto_micro_batch import AutoMicroBatch
 from keras_accum._fit_hooks import BatchSkip
+from keras_accum._fit_hooks import EpochEnd
 from keras_accum._fit_hooks import window_train_function
 from keras_accum._fit_hooks import with_window_callbacks
 from keras_accum._tf_utils import xla_placement
@@ -311,6 +312,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self._micro_batches_in_xla = False
         # How `keras_accum.callbacks.BackupAndRestore` resumes mid-epoch.
         self.batch_skip = BatchSkip()
+        self.epoch_end = EpochEnd()
         self._set_window(window)
         if getattr(self, "optimizer", None) is not None:
             # Compiled by a parent's `__init__`, or before `from_model()`.

@@ -474,6 +474,91 @@ def test_epoch_end_sees_the_applied_window(kind, float64):
         np.testing.assert_allclose(val, val_ref, rtol=1e-12)
 
 
+class _StopAfter(keras.callbacks.Callback):
+    """Stops `fit()` at the end of a batch, as `TerminateOnNaN` does."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 >= self.batches:
+            self.model.stop_training = True
+
+
+def _data_of(kind, x, y):
+    """`(x, y)` as `fit()` arguments: arrays, or a dataset of unknown length."""
+    if kind == "unknown":
+        return dict(x=_unknown_length("filter", x, y))
+    return dict(x=x, y=y, batch_size=B)
+
+
+@pytest.mark.parametrize("flush_at_epoch_end", [True, False])
+@pytest.mark.parametrize("kind", ["known", "unknown"])
+def test_stop_mid_epoch_validates_the_applied_window(
+    kind, flush_at_epoch_end, float64
+):
+    # A batch callback stops `fit()` after 6 micro-batches (a window, then
+    # a partial one of 2): the partial window is applied before validation
+    # and the epoch's end, as after an epoch's last batch. The reference:
+    # plain Keras on the same 6 micro-batches as batches of N * B, then 2 B.
+    x, y = _data(7 * B)
+    validation = _data(2 * B)
+    seen_reference, seen = _Seen(), _Seen()
+    reference = _net(keras.Model)
+    _compile(reference, "adam")
+    reference.fit(
+        x[: 6 * B], y[: 6 * B], batch_size=N * B, shuffle=False, verbose=0,
+        validation_data=validation, callbacks=[seen_reference],
+    )
+
+    model = _net(
+        gradient_accumulation_steps=N, flush_at_epoch_end=flush_at_epoch_end
+    )
+    _compile(model, "adam")
+    model.fit(
+        **_data_of(kind, x, y), epochs=2, shuffle=False, verbose=0,
+        validation_data=validation, callbacks=[_StopAfter(6), seen],
+    )
+    ((it_ref, _, w_ref, val_ref),) = seen_reference.at_epoch_end
+    ((it, micro_step, w, val),) = seen.at_epoch_end
+    assert (it, micro_step) == (it_ref, 0) == (2, 0)
+    assert relative_difference(w_ref, w) <= EXACT
+    np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["known", "unknown"])
+def test_carried_window_is_applied_before_the_last_validation(kind, float64):
+    # With `flush_at_epoch_end=False` windows carry over into the next
+    # epoch; the one pending after the last epoch's last batch is applied
+    # before its validation, so that the last `val_loss` is that of the
+    # weights the epoch's end sees. Two epochs of 7 micro-batches, N = 4:
+    # windows of 4, 4 and 4, then 2: plain Keras on the 14 micro-batches
+    # as batches of N * B.
+    x, y = _data(7 * B)
+    validation = _data(2 * B)
+    seen_reference, seen = _Seen(), _Seen()
+    reference = _net(keras.Model)
+    _compile(reference, "adam")
+    reference.fit(
+        np.concatenate([x, x]), np.concatenate([y, y]), batch_size=N * B,
+        shuffle=False, verbose=0, validation_data=validation,
+        callbacks=[seen_reference],
+    )
+
+    model = _net(gradient_accumulation_steps=N, flush_at_epoch_end=False)
+    _compile(model, "adam")
+    model.fit(
+        **_data_of(kind, x, y), epochs=2, shuffle=False, verbose=0,
+        validation_data=validation, callbacks=[seen],
+    )
+    ((it_ref, _, w_ref, val_ref),) = seen_reference.at_epoch_end
+    it, micro_step, w, val = seen.at_epoch_end[-1]
+    assert (it, micro_step) == (it_ref, 0) == (4, 0)
+    assert relative_difference(w_ref, w) <= EXACT
+    np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+
+
 def test_early_stopping_restores_the_applied_window(float64):
     x, y = _data(7 * B)
     validation = _data(2 * B)
