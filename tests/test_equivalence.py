@@ -82,6 +82,37 @@ def test_sample_weight(reduction, float64, mode, compile_kwargs, in_step):
     )
 
 
+@pytest.mark.parametrize(
+    "reduction", ["sum_over_batch_size", "mean_with_sample_weight"]
+)
+def test_class_weight_and_validation_split(
+    reduction, float64, mode, compile_kwargs
+):
+    # Keras turns `class_weight` into per-sample weights (a window's mean
+    # with sample weights divides by their sum) and holds out the arrays'
+    # last fifth for validation: 32 samples train, 8 validate.
+    x, y = classification_data(n=40)
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction
+    )
+    reference, ours = twins(dense_net, steps=4)
+    initial, ref_hist, our_hist = fit_side_by_side(
+        reference, ours, x, y, 4, 4, OPTIMIZERS["adam"], loss,
+        compile_kwargs, epochs=2, class_weight={0: 0.2, 1: 1.0, 2: 3.5},
+        validation_split=0.2,
+    )
+    assert int(ours.optimizer.iterations) == 4
+    assert_close_to_reference(
+        f"b. class_weight and validation_split, reduction={reduction}",
+        initial, reference.get_weights(), ours.get_weights(), RTOL["float64"],
+    )
+    # Each epoch's validation sees the epoch's applied windows.
+    np.testing.assert_allclose(
+        our_hist.history["val_loss"], ref_hist.history["val_loss"],
+        rtol=1e-9,
+    )
+
+
 def test_sum_reduction(float64, mode, compile_kwargs, in_step):
     # A sum over samples has no normaliser: the window divides by 1, and the
     # sum of the micro-batches' gradients is the big batch's.
