@@ -559,6 +559,36 @@ def test_carried_window_is_applied_before_the_last_validation(kind, float64):
     np.testing.assert_allclose(val, val_ref, rtol=1e-12)
 
 
+def test_swapped_ema_weights_validate_the_applied_window(float64):
+    # `SwapEMAWeights` validates with the EMA weights and, with
+    # `swap_on_epoch=True`, hands them to the epoch's later callbacks: EMA
+    # that moved once per update, the epoch's partial window included.
+    x, y = _data(7 * B)
+    validation = _data(2 * B)
+    runs = []
+    for model, batch_size in (
+        (_net(keras.Model), N * B),
+        (_net(gradient_accumulation_steps=N), B),
+    ):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01, use_ema=True),
+            loss="mse",
+        )
+        seen = _Seen()
+        model.fit(
+            x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+            validation_data=validation,
+            callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True), seen],
+        )
+        runs.append(seen.at_epoch_end)
+    for (it_ref, _, w_ref, val_ref), (it, micro_step, w, val) in zip(
+        *runs, strict=True
+    ):
+        assert (it, micro_step) == (it_ref, 0)
+        assert relative_difference(w_ref, w) <= EXACT
+        np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+
+
 def test_early_stopping_restores_the_applied_window(float64):
     x, y = _data(7 * B)
     validation = _data(2 * B)
