@@ -424,8 +424,30 @@ class _Seen(keras.callbacks.Callback):
         )
 
 
+class _Batches(keras.utils.PyDataset):
+    """`(x, y)` in micro-batches of B, as a `keras.utils.PyDataset`; an
+    infinite one (`num_batches` `None`) repeats them."""
+
+    def __init__(self, x, y, infinite=False, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.infinite = x, y, infinite
+        self.batches = -(-len(x) // B)
+
+    @property
+    def num_batches(self):
+        return None if self.infinite else self.batches
+
+    def __getitem__(self, index):
+        rows = slice(index % self.batches * B, (index % self.batches + 1) * B)
+        return self.x[rows], self.y[rows]
+
+
 @pytest.mark.parametrize(
-    "kind", ["known", "unknown", "steps_per_epoch", "steps_per_execution"]
+    "kind",
+    [
+        "known", "unknown", "steps_per_epoch", "steps_per_execution",
+        "py_dataset", "py_dataset_workers", "py_dataset_infinite",
+    ],
 )
 def test_epoch_end_sees_the_applied_window(kind, float64):
     x, y = _data(7 * B)
@@ -461,6 +483,17 @@ def test_epoch_end_sees_the_applied_window(kind, float64):
         model.fit(
             data, epochs=2, steps_per_epoch=7, verbose=0,
             validation_data=validation, callbacks=[seen],
+        )
+    elif kind.startswith("py_dataset"):
+        # Keras' own input class; with threads, batches still come in order.
+        infinite = kind.endswith("infinite")
+        data = _Batches(
+            x, y, infinite, workers=2 if kind.endswith("workers") else 1
+        )
+        model.fit(
+            data, epochs=2, steps_per_epoch=7 if infinite else None,
+            shuffle=False, verbose=0, validation_data=_Batches(*validation),
+            callbacks=[seen],
         )
     else:
         _fit(model, x, y, epochs=2, validation_data=validation, callbacks=[seen])
