@@ -424,6 +424,31 @@ class _Seen(keras.callbacks.Callback):
         )
 
 
+def _reference_epoch_ends(x, y, validation, epochs=1):
+    """What `_Seen` sees of plain Keras (Adam) on `(x, y)` in batches of
+    N * B, validated on `validation` after each epoch."""
+    seen = _Seen()
+    reference = _net(keras.Model)
+    _compile(reference, "adam")
+    reference.fit(
+        x, y, batch_size=N * B, epochs=epochs, shuffle=False, verbose=0,
+        validation_data=validation, callbacks=[seen],
+    )
+    return seen.at_epoch_end
+
+
+def _assert_same_epoch_ends(reference, ours):
+    """Each epoch end that `ours` saw (`_Seen.at_epoch_end`) is the
+    reference's: its update count, no pending window, its weights, and a
+    validation of those weights."""
+    for (it_ref, _, w_ref, val_ref), (it, micro_step, w, val) in zip(
+        reference, ours, strict=True
+    ):
+        assert (it, micro_step) == (it_ref, 0)
+        assert relative_difference(w_ref, w) <= EXACT
+        np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+
+
 class _Batches(keras.utils.PyDataset):
     """`(x, y)` in micro-batches of B, as a `keras.utils.PyDataset`; an
     infinite one (`num_batches` `None`) repeats them."""
@@ -452,19 +477,7 @@ class _Batches(keras.utils.PyDataset):
 def test_epoch_end_sees_the_applied_window(kind, float64):
     x, y = _data(7 * B)
     validation = _data(2 * B)
-    seen_reference, seen = _Seen(), _Seen()
-    reference = _net(keras.Model)
-    _compile(reference, "adam")
-    reference.fit(
-        x,
-        y,
-        batch_size=N * B,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        validation_data=validation,
-        callbacks=[seen_reference],
-    )
+    seen = _Seen()
 
     model = _net(gradient_accumulation_steps=N)
     _compile(
@@ -498,13 +511,9 @@ def test_epoch_end_sees_the_applied_window(kind, float64):
     else:
         _fit(model, x, y, epochs=2, validation_data=validation, callbacks=[seen])
 
-    for (it_ref, _, w_ref, val_ref), (it, micro_step, w, val) in zip(
-        seen_reference.at_epoch_end, seen.at_epoch_end, strict=True
-    ):
-        assert (it, micro_step) == (it_ref, 0)
-        assert relative_difference(w_ref, w) <= EXACT
-        # Validation ran after the window's end too.
-        np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+    _assert_same_epoch_ends(
+        _reference_epoch_ends(x, y, validation, epochs=2), seen.at_epoch_end
+    )
 
 
 class _StopAfter(keras.callbacks.Callback):
@@ -537,13 +546,7 @@ def test_stop_mid_epoch_validates_the_applied_window(
     # plain Keras on the same 6 micro-batches as batches of N * B, then 2 B.
     x, y = _data(7 * B)
     validation = _data(2 * B)
-    seen_reference, seen = _Seen(), _Seen()
-    reference = _net(keras.Model)
-    _compile(reference, "adam")
-    reference.fit(
-        x[: 6 * B], y[: 6 * B], batch_size=N * B, shuffle=False, verbose=0,
-        validation_data=validation, callbacks=[seen_reference],
-    )
+    seen = _Seen()
 
     model = _net(
         gradient_accumulation_steps=N, flush_at_epoch_end=flush_at_epoch_end
@@ -553,11 +556,11 @@ def test_stop_mid_epoch_validates_the_applied_window(
         **_data_of(kind, x, y), epochs=2, shuffle=False, verbose=0,
         validation_data=validation, callbacks=[_StopAfter(6), seen],
     )
-    ((it_ref, _, w_ref, val_ref),) = seen_reference.at_epoch_end
-    ((it, micro_step, w, val),) = seen.at_epoch_end
-    assert (it, micro_step) == (it_ref, 0) == (2, 0)
-    assert relative_difference(w_ref, w) <= EXACT
-    np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+    assert int(model.optimizer.iterations) == 2
+    _assert_same_epoch_ends(
+        _reference_epoch_ends(x[: 6 * B], y[: 6 * B], validation),
+        seen.at_epoch_end,
+    )
 
 
 @pytest.mark.parametrize("kind", ["known", "unknown"])
@@ -570,14 +573,7 @@ def test_carried_window_is_applied_before_the_last_validation(kind, float64):
     # as batches of N * B.
     x, y = _data(7 * B)
     validation = _data(2 * B)
-    seen_reference, seen = _Seen(), _Seen()
-    reference = _net(keras.Model)
-    _compile(reference, "adam")
-    reference.fit(
-        np.concatenate([x, x]), np.concatenate([y, y]), batch_size=N * B,
-        shuffle=False, verbose=0, validation_data=validation,
-        callbacks=[seen_reference],
-    )
+    seen = _Seen()
 
     model = _net(gradient_accumulation_steps=N, flush_at_epoch_end=False)
     _compile(model, "adam")
@@ -585,11 +581,11 @@ def test_carried_window_is_applied_before_the_last_validation(kind, float64):
         **_data_of(kind, x, y), epochs=2, shuffle=False, verbose=0,
         validation_data=validation, callbacks=[seen],
     )
-    ((it_ref, _, w_ref, val_ref),) = seen_reference.at_epoch_end
-    it, micro_step, w, val = seen.at_epoch_end[-1]
-    assert (it, micro_step) == (it_ref, 0) == (4, 0)
-    assert relative_difference(w_ref, w) <= EXACT
-    np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+    assert int(model.optimizer.iterations) == 4
+    reference = _reference_epoch_ends(
+        np.concatenate([x, x]), np.concatenate([y, y]), validation
+    )
+    _assert_same_epoch_ends(reference, seen.at_epoch_end[1:])
 
 
 def test_swapped_ema_weights_validate_the_applied_window(float64):
@@ -614,12 +610,7 @@ def test_swapped_ema_weights_validate_the_applied_window(float64):
             callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True), seen],
         )
         runs.append(seen.at_epoch_end)
-    for (it_ref, _, w_ref, val_ref), (it, micro_step, w, val) in zip(
-        *runs, strict=True
-    ):
-        assert (it, micro_step) == (it_ref, 0)
-        assert relative_difference(w_ref, w) <= EXACT
-        np.testing.assert_allclose(val, val_ref, rtol=1e-12)
+    _assert_same_epoch_ends(*runs)
 
 
 def test_early_stopping_restores_the_applied_window(float64):
