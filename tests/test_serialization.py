@@ -44,6 +44,27 @@ def test_save_and_load_keras_file(tmp_path, float64):
     assert int(loaded.optimizer.iterations) == 6
 
 
+def test_exported_for_serving(tmp_path, float64):
+    # `model.export()` (a SavedModel with a `serve` endpoint), reloaded by
+    # TensorFlow and as `keras.layers.TFSMLayer`, with a window pending:
+    # it serves what plain `keras.Model` with the same weights predicts.
+    import tensorflow as tf
+
+    model, x, y = _trained_model()
+    model.train_on_batch(x[:2], y[:2])
+    assert int(model.micro_step) == 1
+    plain = keras.Model(*dense_net())
+    plain.set_weights(model.get_weights())
+    expected = plain.predict(x, verbose=0)
+    path = str(tmp_path / "served")
+    model.export(path, verbose=False)
+    loaded = tf.saved_model.load(path)  # kept: it holds the variables
+    served = loaded.serve(tf.constant(x))
+    np.testing.assert_allclose(served.numpy(), expected, rtol=1e-12)
+    layer = keras.layers.TFSMLayer(path, call_endpoint="serve")
+    np.testing.assert_allclose(np.asarray(layer(x)), expected, rtol=1e-12)
+
+
 def test_weights_are_those_of_the_plain_model():
     model, _, _ = _trained_model()
     plain = keras.Model(*dense_net())
