@@ -2,6 +2,7 @@
 shape, and a train step that runs out of memory rolled back and trained
 again with half the micro-batch (docs/design.md, "Training in small memory")."""
 
+import contextlib
 import gc
 import math
 import os
@@ -38,9 +39,33 @@ class DeviceMemory:
                 self.limit = int(limit) * _MIB
 
     @property
-    def xla_aborts(self):
-        """Whether XLA's CPU runtime would abort the process at the limit."""
+    def crashes_at_limit(self):
+        """Whether reaching the limit can end the process instead of raising
+        `ResourceExhaustedError`: on a CPU with a limit, XLA's runtime
+        aborts, and a graph constant that cannot be allocated crashes it."""
         return self.device == "CPU:0" and self.limit is not None
+
+    @contextlib.contextmanager
+    def raising_at_limit(self):
+        """A block whose functions raise at the limit rather than crash.
+
+        Grappler's constant folding makes graph constants of some tensors of
+        a micro-batch's shape (zeros added to gradients), which TensorFlow
+        (2.21) fails to allocate with a segmentation fault at a CPU's limit;
+        where `crashes_at_limit`, the block's functions are optimized
+        without it (docs/design.md, "Training in small memory").
+        """
+        if not self.crashes_at_limit:
+            yield
+            return
+        options = tf.config.optimizer
+        before = options.get_experimental_options().get("constant_folding")
+        options.set_experimental_options({"constant_folding": False})
+        try:
+            yield
+        finally:
+            restored = True if before is None else before
+            options.set_experimental_options({"constant_folding": restored})
 
     @property
     def unlimited(self):
@@ -68,7 +93,7 @@ class DeviceMemory:
 
     def check(self, jit_compile=False):
         """Warns where "auto" cannot find a limit, or may crash at one."""
-        if jit_compile is True and self.xla_aborts:
+        if jit_compile is True and self.crashes_at_limit:
             warnings.warn(
                 "`micro_batch_size='auto'` trains without XLA on a CPU with "
                 "a memory limit: XLA's CPU runtime aborts the process, "
@@ -215,7 +240,8 @@ class AutoMicroBatch:
             saved = self.rollback.take()
             self.memory.reset_peak()
             try:
-                logs = self._function(size, make_function)(iter([data]))
+                with self.memory.raising_at_limit():
+                    logs = self._function(size, make_function)(iter([data]))
                 break
             except (tf.errors.ResourceExhaustedError,
                     tf.errors.InvalidArgumentError) as error:

@@ -536,7 +536,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             self.jit_compile,
             self.micro_batch_size is not None,
             compat.layers_of(self),
-            xla_aborts=auto is not None and auto.memory.xla_aborts,
+            xla_aborts=auto is not None and auto.memory.crashes_at_limit,
         )
         self._micro_batches_in_xla = placement == "micro_batch"
         jit_compile = self.jit_compile

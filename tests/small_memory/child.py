@@ -73,6 +73,7 @@ def main(out_dir, names):
                 micro_batch_size=getattr(model, "micro_batch_size", None),
             )
             np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
+            del model  # its memory, before the next scenario's model
         except tf.errors.ResourceExhaustedError as error:
             info["error"] = type(error).__name__
             info["message"] = error.message

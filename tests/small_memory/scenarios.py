@@ -2,8 +2,8 @@
 (in `child.py`, under a memory limit) and as references (plain Keras at the
 effective batch, in the test's own process, without one).
 
-All float64, from the same initial weights, on the same samples in the same
-order. `E` rows per update; images of 64x64 run out of memory at E under
+All float64 (`large`: float32), from the same initial weights, on the same
+samples in the same order. `E` rows per update; images of 64x64 run out of memory at E under
 the test's limit, images of 32x32 do not.
 """
 
@@ -15,6 +15,17 @@ import keras_accum
 
 E = 32
 
+
+# The `large` scenario: one step of `LARGE` 64x64 images into `unet()` in
+# `LARGE_LIMIT_MB`. Tried whole, its train step's graph constants (that
+# Grappler's constant folding makes of BatchNormalization's gradients) do
+# not fit: TensorFlow 2.21 crashed with a segmentation fault there, instead
+# of raising.
+LARGE = 512
+LARGE_LIMIT_MB = 256
+# The micro-batch that the `large` scenario chose, for `large_fixed` (the
+# same micro-batches, chosen upfront, in the same process and limit).
+chosen = {}
 
 # Under `HOG_LIMIT_MB`, `MemoryHog` decides which micro-batches fit.
 HOG_LIMIT_MB = 400
@@ -54,6 +65,33 @@ def net(cls=keras.Model, dropout=0.0, hog_from_side=None, **kwargs):
     h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
     outputs = keras.layers.Conv2D(2, 1)(h)
     return cls(inputs, outputs, **kwargs)
+
+
+def unet(cls=keras.Model, base=8, depth=3, **kwargs):
+    """A small U-Net (float32): convolution, BatchNormalization and ReLU
+    blocks, max-pooling down, transposed convolutions up, skip
+    concatenations."""
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+
+    def block(h, filters):
+        for _ in range(2):
+            h = layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+            h = layers.Activation("relu")(layers.BatchNormalization()(h))
+        return h
+
+    inputs = keras.Input((None, None, 3))
+    h, skips = inputs, []
+    for level in range(depth):
+        skips.append(block(h, base * 2**level))
+        h = layers.MaxPooling2D()(skips[-1])
+    h = block(h, base * 2**depth)
+    for level in reversed(range(depth)):
+        h = layers.Conv2DTranspose(base * 2**level, 2, strides=2)(h)
+        h = block(layers.Concatenate()([h, skips[level]]), base * 2**level)
+    return cls(inputs, layers.Conv2D(2, 1)(h), **kwargs)
 
 
 def images(count, side, seed):
@@ -139,6 +177,19 @@ def run(name, limited, micro_batch_size="auto"):
                 net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
             )
         history = model.fit(x, y, batch_size=E, **fit)
+    elif name in ("large", "large_fixed"):
+        model = _compile(
+            unet(
+                keras_accum.GradientAccumulationModel,
+                micro_batch_size=chosen["large"] if name == "large_fixed"
+                else micro_batch_size,
+            )
+        )
+        x, y = images(LARGE, 64, seed=2)
+        history = model.fit(
+            x.astype("float32"), y, batch_size=LARGE, **dict(fit, epochs=1)
+        )
+        chosen.setdefault(name, model.micro_batch_size)
     elif name == "tiny":
         model = _compile(
             net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
