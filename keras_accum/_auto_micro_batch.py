@@ -50,10 +50,10 @@ class DeviceMemory:
         """A block whose functions raise at the limit rather than crash.
 
         Grappler's constant folding makes graph constants of some tensors of
-        a micro-batch's shape (zeros added to gradients), which TensorFlow
-        (2.21) fails to allocate with a segmentation fault at a CPU's limit;
-        where `crashes_at_limit`, the block's functions are optimized
-        without it (docs/design.md, "Training in small memory").
+        a micro-batch's shape (in BatchNormalization's gradients), which
+        TensorFlow (2.21) fails to allocate with a segmentation fault at a
+        CPU's limit; where `crashes_at_limit`, the block's functions are
+        optimized without it (docs/design.md, "Training in small memory").
         """
         if not self.crashes_at_limit:
             yield
