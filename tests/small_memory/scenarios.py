@@ -3,8 +3,8 @@
 effective batch, in the test's own process, without one).
 
 All float64 (`large`: float32), from the same initial weights, on the same
-samples in the same order. `E` rows per update; images of 64x64 run out of memory at E under
-the test's limit, images of 32x32 do not.
+samples in the same order. `E` rows per update; images of 64x64 run out of
+memory at E under the test's limit, images of 32x32 do not.
 """
 
 import keras
@@ -18,9 +18,10 @@ E = 32
 
 # The `large` scenario: one step of `LARGE` 64x64 images into `unet()` in
 # `LARGE_LIMIT_MB`. Tried whole, its train step's graph constants (that
-# Grappler's constant folding makes of BatchNormalization's gradients) do
-# not fit: TensorFlow 2.21 crashed with a segmentation fault there, instead
-# of raising.
+# Grappler's constant folding makes, it seems of BatchNormalization's
+# gradients: without it the same U-Net did not crash) do not fit:
+# TensorFlow 2.21 crashed with a segmentation fault there, instead of
+# raising.
 LARGE = 512
 LARGE_LIMIT_MB = 256
 # The micro-batch that the `large` scenario chose, for `large_fixed` (the
@@ -189,7 +190,7 @@ def run(name, limited, micro_batch_size="auto"):
         history = model.fit(
             x.astype("float32"), y, batch_size=LARGE, **dict(fit, epochs=1)
         )
-        chosen.setdefault(name, model.micro_batch_size)
+        chosen[name] = model.micro_batch_size
     elif name == "tiny":
         model = _compile(
             net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
