@@ -96,10 +96,9 @@ class DeviceMemory:
         if jit_compile is True and self.crashes_at_limit:
             warnings.warn(
                 "`micro_batch_size='auto'` trains without XLA on a CPU with "
-                "a memory limit: XLA's CPU runtime aborts the process, "
-                "instead of raising `ResourceExhaustedError`, when the limit "
-                "is reached. (Evaluation and prediction keep "
-                "`jit_compile=True`.)",
+                "a memory limit, and evaluates and predicts without it: "
+                "XLA's CPU runtime aborts the process, instead of raising "
+                "`ResourceExhaustedError`, when the limit is reached.",
                 stacklevel=3,
             )
         if self.unlimited:
@@ -124,14 +123,18 @@ class DeviceMemory:
 
 
 class StepRollback:
-    """What a train step writes before its update, saved and put back
-    (docs/design.md, "Training in small memory")."""
+    """What a train step writes before its update (a test step: the
+    metrics), saved and put back (docs/design.md, "Training in small
+    memory")."""
 
     def __init__(self, model):
         self.model = model
 
-    def _variables(self, with_buffers):
+    def _variables(self, kind, with_buffers):
         model = self.model
+        if kind != "train":
+            variables = model.metrics_variables if kind == "test" else []
+            return [c for v in variables for c in components(_value(v))]
         accumulator = model.gradient_accumulator
         variables = [
             v
@@ -144,27 +147,30 @@ class StepRollback:
         optimizer = model.optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             variables += [optimizer.dynamic_scale, optimizer.step_counter]
-        return [
-            c
-            for v in variables
-            for c in components(v.value if isinstance(v, keras.Variable) else v)
-        ]
+        return [c for v in variables for c in components(_value(v))]
 
-    def take(self):
-        """The values to restore if the step fails."""
-        pending = int(self.model.gradient_accumulator.micro_step.numpy()) > 0
+    def take(self, kind):
+        """The values to restore if the step of `kind` fails."""
+        pending = kind == "train" and (
+            int(self.model.gradient_accumulator.micro_step.numpy()) > 0
+        )
         return {
             id(c): (c, tf.identity(c.read_value()))
-            for c in self._variables(with_buffers=pending)
+            for c in self._variables(kind, with_buffers=pending)
         }
 
-    def restore(self, saved):
+    def restore(self, saved, kind):
         """Puts `take()`'s values back; zeroes variables made since then."""
-        for c in self._variables(with_buffers=True):
+        for c in self._variables(kind, with_buffers=True):
             if id(c) in saved:
                 c.assign(saved[id(c)][1])
             elif not c.name.startswith("buffer_"):
                 c.assign(tf.zeros_like(c))
+
+
+def _value(variable):
+    """The backend variable of a `keras.Variable` (else itself)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def _tensors(data):
@@ -181,9 +187,22 @@ def _row_elements(signature):
     return sum(math.prod(shape) for shape, _ in signature) or 1
 
 
+# Per kind of step: what its chosen size is said of, and how it is said to
+# run again after running out of memory.
+_SAID = {
+    "train": ("Micro-batches", "the step was rolled back and is trained again"),
+    "test": (
+        "Evaluation: micro-batches",
+        "the evaluation step was rolled back and runs again",
+    ),
+    "predict": ("Prediction: micro-batches", "the prediction step runs again"),
+}
+
+
 class AutoMicroBatch:
     """Chooses the micro-batch of `micro_batch_size="auto"` per input
-    signature and recovers a train step that runs out of memory."""
+    signature, for training, evaluation and prediction each, and recovers
+    a step that runs out of memory."""
 
     def __init__(self, model):
         self.model = model
@@ -191,80 +210,106 @@ class AutoMicroBatch:
         self.rollback = StepRollback(model)
         self.verbose = 0
         self.size = None
-        self._sizes = {}  # signature -> [size to try, smallest that failed]
-        self._functions = {}
-        self._said = {}  # signature -> the size last reported
+        # Per kind: signature -> [size to try, smallest that failed].
+        self._sizes = {"train": {}, "test": {}, "predict": {}}
+        self._functions = {}  # (kind, size) -> Keras' function
+        self._said = {}  # (kind, signature) -> the size last reported
         self._checked = False
 
     def reset(self):
         """Forgets the traced functions and the sizes (after a retrace)."""
-        self._sizes.clear()
+        for sizes in self._sizes.values():
+            sizes.clear()
         self._functions.clear()
         self._said.clear()
 
-    def train_function(self, make_function):
-        """A train function of an iterator, from `make_function(size)`."""
+    def function(self, kind, make_function):
+        """A `kind` (train, test, predict) function as Keras calls it, from
+        `make_function(size)`: Keras' function with micro-batches of
+        `size`."""
         if not self._checked:
             self._checked = True
             self.memory.check(self.model.jit_compile)
+        if kind == "predict":
 
-        def train(iterator):
+            def predict(data):  # a list of batches
+                outputs = [
+                    self._run(kind, batch, make_function) for batch in data
+                ]
+                return keras.tree.map_structure(
+                    lambda *parts: tf.concat(parts, 0), *outputs
+                )
+
+            return predict
+
+        def run(iterator):
             logs = None
             for data in _fetch(iterator, self.model.steps_per_execution):
-                logs = self._train(data, make_function)
+                logs = self._run(kind, data, make_function)
             return logs
 
-        return train
+        return run
 
-    def _function(self, size, make_function):
-        if size not in self._functions:
-            self._functions[size] = make_function(size)
-        return self._functions[size]
+    def _function(self, kind, size, make_function):
+        if (kind, size) not in self._functions:
+            self._functions[kind, size] = make_function(size)
+        return self._functions[kind, size]
 
-    def _first_size(self, signature, rows):
-        if not self._sizes:
+    def _first_size(self, kind, signature, rows):
+        trained = self._sizes["train"]
+        if kind != "train" and signature in trained:
+            return min(rows, trained[signature][0])
+        known = self._sizes[kind] or trained
+        if not known:
             return rows
-        known, (size, _) = next(reversed(self._sizes.items()))
-        scaled = size * _row_elements(known) / _row_elements(signature)
+        last, (size, _) = next(reversed(known.items()))
+        scaled = size * _row_elements(last) / _row_elements(signature)
         return max(1, min(rows, 2 ** int(math.log2(max(scaled, 1)))))
 
-    def _train(self, data, make_function):
+    def _run(self, kind, data, make_function):
         signature = _signature(data)
         rows = int(_tensors(data)[0].shape[0])
-        if signature not in self._sizes:
-            self._sizes[signature] = [self._first_size(signature, rows), None]
-        state = self._sizes[signature]
+        sizes = self._sizes[kind]
+        if signature not in sizes:
+            sizes[signature] = [self._first_size(kind, signature, rows), None]
+        state = sizes[signature]
         size = min(state[0], rows)
         failed = False
         while True:
-            saved = self.rollback.take()
+            saved = self.rollback.take(kind)
             self.memory.reset_peak()
+            function = self._function(kind, size, make_function)
             try:
                 with self.memory.raising_at_limit():
-                    logs = self._function(size, make_function)(iter([data]))
+                    if kind == "predict":
+                        result = function([data])
+                    else:
+                        result = function(iter([data]))
                 break
             except (tf.errors.ResourceExhaustedError,
                     tf.errors.InvalidArgumentError) as error:
                 if not _out_of_memory(error):
                     raise
-                self.rollback.restore(saved)
+                self.rollback.restore(saved, kind)
                 # The failed size's function holds memory (constants).
-                self._functions.pop(size, None)
+                del function
+                self._functions.pop((kind, size), None)
                 gc.collect()
                 state[1] = size if state[1] is None else min(state[1], size)
-                size = self._halved(size, rows, data, error)
+                size = self._halved(kind, size, rows, data, error)
                 failed = True
-        self.size = size
+        if kind == "train":
+            self.size = size
         if failed or size == state[0]:
             # A batch shorter than the size says nothing about it.
             state[0] = size
             if rows > size and (state[1] is None or 2 * size < state[1]):
                 state[0] = 2 * size  # the next batch of this shape tries it
             else:
-                self._say_chosen(size, rows, signature)
-        return logs
+                self._say_chosen(kind, size, rows, signature)
+        return result
 
-    def _halved(self, size, rows, data, error):
+    def _halved(self, kind, size, rows, data, error):
         size = min(size, rows)
         shape = tuple(_tensors(data)[0].shape)
         if size <= 1:
@@ -284,24 +329,24 @@ class AutoMicroBatch:
         if self.verbose:
             print(
                 f"Out of memory with micro-batches of {size} of the batch "
-                f"of {rows} (input shape {shape}): the step was rolled back "
-                f"and is trained again with micro-batches of {halved}."
+                f"of {rows} (input shape {shape}): {_SAID[kind][1]} with "
+                f"micro-batches of {halved}."
             )
         return halved
 
-    def _say_chosen(self, size, rows, signature):
-        if self._said.get(signature) == size:
+    def _say_chosen(self, kind, size, rows, signature):
+        if self._said.get((kind, signature)) == size:
             return
-        self._said[signature] = size
+        self._said[kind, signature] = size
         if not self.verbose:
             return
         replicas = self.model.distribute_strategy.num_replicas_in_sync
         peak = self.memory.peak()
         line = (
-            f"Micro-batches of {size} of the batch of {rows}"
+            f"{_SAID[kind][0]} of {size} of the batch of {rows}"
             f"{' per replica' if replicas > 1 else ''}"
         )
-        if len(self._sizes) > 1:
+        if len(self._sizes[kind]) > 1:
             line += f" (rows of shape {signature[0][0]})"
         if self.memory.unlimited:
             line += " (no memory limit on this CPU)"

@@ -231,11 +231,19 @@ def building_functionally(instance, functional_class):
         stack.pop()
 
 
-def call_for_training(model, x):
-    """The model's training forward pass, as Keras' `train_step` calls it."""
+def call_model(model, x, training):
+    """The model's forward pass, as Keras' train and test steps call it."""
     if model._call_has_training_arg:
-        return model(x, training=True)
+        return model(x, training=training)
     return model(x)
+
+
+def symbolic(data):
+    """`KerasTensor`s of the shapes and types of `data`'s tensors."""
+    return keras.tree.map_structure(
+        lambda t: None if t is None else keras.KerasTensor(t.shape, t.dtype),
+        data,
+    )
 
 
 def compute_loss(model, *args, **kwargs):

@@ -85,14 +85,17 @@ def _cpu_only():
     )
 
 
-def xla_placement(jit_compile, in_step, layers, xla_aborts=False):
-    """What XLA compiles of a train step: `"step"`, `"micro_batch"` or
-    `None` (docs/design.md, "Micro-batches inside the train step")."""
+def xla_placement(jit_compile, in_step, layers, xla_aborts=False,
+                  collects=False):
+    """What XLA compiles of a step: `"step"`, `"micro_batch"` or `None`
+    (docs/design.md, "Micro-batches inside the train step"). `collects`:
+    the step collects its micro-batches' outputs (prediction), in a list
+    that XLA cannot grow."""
     if jit_compile is not True or xla_aborts:
         return None
-    if in_step and _cpu_only() and any(
+    if in_step and (collects or _cpu_only() and any(
         isinstance(layer, _CONVOLUTIONS) for layer in layers
-    ):
+    )):
         return "micro_batch"
     return "step"
 

@@ -10,7 +10,6 @@ import functools
 import threading
 import warnings
 
-import keras
 import tensorflow as tf
 from keras import ops
 from keras import tree
@@ -153,18 +152,12 @@ def install(model, x, y, y_pred, sample_weight):
     if compile_loss is None:
         return
     if not compile_loss.built:
-
-        def spec(value):
-            if value is None:
-                return None
-            return keras.KerasTensor(value.shape, value.dtype)
-
         compat.compute_output_spec(
             functools.partial(compat.compute_loss, model),
-            tree.map_structure(spec, x),
-            tree.map_structure(spec, y),
-            tree.map_structure(spec, y_pred),
-            sample_weight=tree.map_structure(spec, sample_weight),
+            compat.symbolic(x),
+            compat.symbolic(y),
+            compat.symbolic(y_pred),
+            sample_weight=compat.symbolic(sample_weight),
             training=False,
         )
     flat = compat.flat_losses(compile_loss)

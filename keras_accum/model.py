@@ -109,6 +109,14 @@ def _first_tensor(x):
     return next(i for i in keras.tree.flatten(x) if i is not None)
 
 
+def _rows(data, start, length):
+    """`length` rows of every tensor of `data`, from row `start`."""
+    return keras.tree.map_structure(
+        lambda t: None if t is None else tf.gather(t, start + tf.range(length)),
+        data,
+    )
+
+
 def _replica_scale():
     """The factor Keras divides each replica's loss by (the replica count)."""
     return float(tf.distribute.get_strategy().num_replicas_in_sync)
@@ -236,14 +244,14 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             moving statistics move once per window, from all its samples;
             if `False`, every micro-batch, as in Keras.
         micro_batch_size: int >= 1, `"auto"` or `None` (default). If set,
-            each train step splits its batch into micro-batches of at most
-            this many rows (per replica) and accumulates them inside the
-            step; a window is then `gradient_accumulation_steps` train
-            steps. Metrics and the logged loss are the whole batch's.
-            `"auto"`: the largest micro-batch that fits in the device's
-            memory; a step that runs out of memory is rolled back and
-            trained again with half the micro-batch (see the README,
-            "Training in small memory").
+            each train, test and predict step splits its batch into
+            micro-batches of at most this many rows (per replica); training
+            accumulates them inside the step, and a window is then
+            `gradient_accumulation_steps` train steps. Metrics and the
+            logged loss are the whole batch's. `"auto"`: the largest
+            micro-batch that fits in the device's memory; a step that runs
+            out of memory is rolled back and run again with half the
+            micro-batch (see the README, "Training in small memory").
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -309,7 +317,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     def _init_window(self, window):
         self._flush_function = None
-        self._micro_batches_in_xla = False
+        # Per function kind: whether XLA compiles each micro-batch.
+        self._micro_batches_in_xla = {}
         # How `keras_accum.callbacks.BackupAndRestore` resumes mid-epoch.
         self.batch_skip = BatchSkip()
         self.epoch_end = EpochEnd()
@@ -379,6 +388,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     def _retrace(self):
         self._flush_function = None
+        self.test_function = self.predict_function = None
         if getattr(self, "train_function", None) is not None:
             self.make_train_function(force=True)
 
@@ -514,50 +524,69 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         auto = self._auto_micro_batch
         if auto is not None:
             auto.reset()
-            function = auto.train_function(self._keras_train_function)
-        else:
-            function = self._keras_train_function()
+        function = self._function_of("train")
         self.train_function = window_train_function(self, function)
         self._flush_function = None
         return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            self.test_function = self._function_of("test")
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            self.predict_function = self._function_of("predict")
+        return self.predict_function
+
+    def _function_of(self, kind):
+        """Keras' `kind` (train, test, predict) function; with "auto", one
+        that chooses its micro-batch per input signature."""
+        make = functools.partial(self._keras_function, kind)
+        if self._auto_micro_batch is not None:
+            return self._auto_micro_batch.function(kind, make)
+        return make()
 
     @property
     def auto_micro_batch(self):
         """The `AutoMicroBatch` of `micro_batch_size="auto"`, or `None`."""
         return self._auto_micro_batch
 
-    def _keras_train_function(self, micro_batch_size=None):
-        """Keras' train function, with micro-batches of this size if given."""
+    def _keras_function(self, kind, micro_batch_size=None):
+        """Keras' `kind` function, with micro-batches of this size if given."""
         if micro_batch_size is not None:
             self._micro_batch_size = micro_batch_size
-        current = self.train_function
+        attribute = f"{kind}_function"
+        current = getattr(self, attribute)
         auto = self._auto_micro_batch
         placement = xla_placement(
             self.jit_compile,
             self.micro_batch_size is not None,
             compat.layers_of(self),
             xla_aborts=auto is not None and auto.memory.crashes_at_limit,
+            collects=kind == "predict",
         )
-        self._micro_batches_in_xla = placement == "micro_batch"
+        self._micro_batches_in_xla[kind] = placement == "micro_batch"
         jit_compile = self.jit_compile
         if jit_compile is True and placement != "step":
             # Keras compiles the whole step with XLA: here only each
             # micro-batch, or (a CPU with a memory limit and "auto") nothing.
             self.jit_compile = False
         try:
-            super().make_train_function(force=True)
+            getattr(super(), f"make_{kind}_function")(force=True)
         finally:
             self.jit_compile = jit_compile
-        function, self.train_function = self.train_function, current
+        function = getattr(self, attribute)
+        setattr(self, attribute, current)
         if micro_batch_size is None:
             return function
 
-        def train(iterator):
+        def run(data):
             # Read when the step is traced, also again for a new shape.
             self._micro_batch_size = micro_batch_size
-            return function(iterator)
+            return function(data)
 
-        return train
+        return run
 
     def _build_window_state(self):
         """Creates the window's variables (and the optimizer's) if needed."""
@@ -599,18 +628,28 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
         return self._step_logs(self._window_step(x, y, sample_weight))
 
-    def _forward_backward(self, x, y, sample_weight):
-        """One micro-batch's predictions, loss, gradients and normaliser."""
+    def _forward(self, x, y, sample_weight, training=False):
+        """One micro-batch's predictions, loss, normaliser and size."""
         batch_size = tf.shape(_first_tensor(x))[0]
-        with tf.GradientTape() as tape:
+        if training:
             with self._batch_norm_statistics.record(self):
-                y_pred = compat.call_for_training(self, x)
-            loss_normalizer.install(self, x, y, y_pred, sample_weight)
-            with loss_normalizer.record_loss_terms() as recording:
-                loss = compat.compute_loss(
-                    self, x=x, y=y, y_pred=y_pred,
-                    sample_weight=sample_weight, training=True,
-                )
+                y_pred = compat.call_model(self, x, training=True)
+        else:
+            y_pred = compat.call_model(self, x, training=False)
+        loss_normalizer.install(self, x, y, y_pred, sample_weight)
+        with loss_normalizer.record_loss_terms() as recording:
+            loss = compat.compute_loss(
+                self, x=x, y=y, y_pred=y_pred,
+                sample_weight=sample_weight, training=training,
+            )
+        return y_pred, loss, recording.normalizer(batch_size), batch_size
+
+    def _forward_backward(self, x, y, sample_weight):
+        """`_forward()` in training, its gradients added to the window."""
+        with tf.GradientTape() as tape:
+            y_pred, loss, normalizer, batch_size = self._forward(
+                x, y, sample_weight, training=True
+            )
             scaled = loss
             if self.optimizer is not None:
                 scaled = self.optimizer.scale_loss(loss)
@@ -618,7 +657,6 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             warnings.warn("The model does not have any trainable weights.")
             return y_pred, loss, None, batch_size
         gradients = tape.gradient(scaled, self.trainable_weights)
-        normalizer = recording.normalizer(batch_size)
         self.gradient_accumulator.add(
             gradients,
             self.optimizer,
@@ -637,7 +675,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             compat.track_loss(self, loss, batch_size)
             logs = self.compute_metrics(x, y, y_pred, sample_weight)
         else:
-            loss, batch_size = self._micro_batches((x, y, sample_weight))
+            loss, batch_size = self._micro_batches(
+                (x, y, sample_weight), self._forward_backward, "train"
+            )
             compat.track_loss(self, loss, batch_size)
             logs = self.get_metrics_result()
         if self.optimizer is not None and self.trainable_weights:
@@ -647,21 +687,15 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
                 )
         return logs
 
-    def _micro_batches(self, data):
-        """Adds the batch in micro-batches; returns its loss and size."""
-        rows = self._micro_batch_size
+    def _micro_batches(self, data, step, kind):
+        """Runs `step` on each micro-batch of the batch and updates the
+        metrics; returns the batch's loss and size."""
         size = tf.shape(_first_tensor(data[0]))[0]
-        full = size // rows
         zero = tf.zeros((), tf.float64)
 
         def micro_batch(start, length):
-            part = keras.tree.map_structure(
-                lambda t: None if t is None else tf.gather(
-                    t, start + tf.range(length)
-                ),
-                data,
-            )
-            y_pred, loss, normalizer, _ = self._forward_backward(*part)
+            part = _rows(data, start, length)
+            y_pred, loss, normalizer, _ = step(*part)
             self.compute_metrics(part[0], part[1], y_pred, part[2])
             loss = tf.cast(loss, zero.dtype)
             if normalizer is None:  # a sum: summed (with weight 0)
@@ -669,49 +703,97 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             weight = tf.cast(normalizer, zero.dtype)
             return loss * weight, weight
 
+        def add(total, part):
+            return total[0] + part[0], total[1] + part[1]
+
+        loss, weight = self._over_micro_batches(
+            data[0], micro_batch, add, (zero, zero), kind
+        )
+        return loss / tf.where(weight > 0, weight, tf.ones_like(weight)), size
+
+    def _over_micro_batches(self, x, run, add, initial, kind):
+        """`add`s up `run(start, length)` over the micro-batches of the
+        batch `x`: its whole micro-batches in a loop, then the rest; in
+        the step of `kind` (train, test, predict)."""
+        rows = self._micro_batch_size
+        size = tf.shape(_first_tensor(x))[0]
+        full = size // rows
+
         def compiled(length):
-            run = functools.partial(micro_batch, length=length)
-            if self._micro_batches_in_xla:
-                run = tf.function(run, jit_compile=True, autograph=False)
-            return run
+            part = functools.partial(run, length=length)
+            if self._micro_batches_in_xla.get(kind):
+                part = tf.function(part, jit_compile=True, autograph=False)
+            return part
 
         full_micro_batch = compiled(rows)
 
-        def body(i, loss, weight):
-            micro_loss, micro_weight = full_micro_batch(i * rows)
-            return i + 1, loss + micro_loss, weight + micro_weight
+        def body(i, total):
+            return i + 1, add(total, full_micro_batch(i * rows))
 
-        _, loss, weight = tf.while_loop(
-            lambda i, *_: i < full,
+        _, total = tf.while_loop(
+            lambda i, _: i < full,
             body,
-            (tf.zeros((), tf.int32), zero, zero),
+            (tf.zeros((), tf.int32), initial),
             parallel_iterations=1,
         )
-        static_size = _first_tensor(data[0]).shape[0]
+        static_size = _first_tensor(x).shape[0]
         if static_size is None:
             rest = size - full * rows
-            last = tf.cond(
+            return tf.cond(
                 rest > 0,
-                lambda: micro_batch(full * rows, rest),
-                lambda: (zero, zero),
+                lambda: add(total, run(full * rows, rest)),
+                lambda: total,
             )
-        elif static_size % rows:
+        if static_size % rows:
             rest = static_size % rows
-            last = compiled(rest)(static_size - rest)
+            return add(total, compiled(rest)(static_size - rest))
+        return total
+
+    def test_step(self, data):
+        if self._micro_batch_size is None:
+            logs = super().test_step(data)
         else:
-            last = (zero, zero)
-        loss, weight = loss + last[0], weight + last[1]
-        return loss / tf.where(weight > 0, weight, tf.ones_like(weight)), size
+            # The batch's loss and metrics, from micro-batches of its rows.
+            loss, batch_size = self._micro_batches(
+                compat.unpack_x_y_sample_weight(data), self._forward, "test"
+            )
+            compat.track_loss(self, loss, batch_size)
+            logs = self.get_metrics_result()
+        return _multi_worker_logs(self.distribute_strategy, logs)
+
+    def predict_step(self, data):
+        if self._micro_batch_size is None:
+            return super().predict_step(data)
+        x, _, _ = compat.unpack_x_y_sample_weight(data)
+        spec = compat.compute_output_spec(
+            functools.partial(compat.call_model, self, training=False),
+            compat.symbolic(x),
+        )
+
+        def run(start, length):
+            y_pred = compat.call_model(self, _rows(x, start, length), False)
+            return keras.tree.flatten(y_pred)
+
+        def add(arrays, outputs):
+            return [a.write(a.size(), o) for a, o in zip(arrays, outputs)]
+
+        arrays = self._over_micro_batches(
+            x,
+            run,
+            add,
+            [
+                tf.TensorArray(t.dtype, size=0, dynamic_size=True,
+                               infer_shape=False)
+                for t in keras.tree.flatten(spec)
+            ],
+            "predict",
+        )
+        return keras.tree.pack_sequence_as(spec, [a.concat() for a in arrays])
 
     def _step_logs(self, logs):
         if self.gradient_accumulator.accumulates and self.optimizer is not None:
             logs = dict(logs, updates=self.optimizer.iterations)
         return _multi_worker_logs(self.distribute_strategy, logs)
-
-    def test_step(self, data):
-        return _multi_worker_logs(
-            self.distribute_strategy, super().test_step(data)
-        )
 
     def get_config(self):
         config = super().get_config()

@@ -255,6 +255,63 @@ def test_input_of_unknown_length(source, float64, mode, compile_kwargs):
     )
 
 
+@pytest.mark.parametrize("source", ["arrays", "filter"])
+def test_evaluate_and_predict_in_micro_batches(
+    source, float64, mode, compile_kwargs
+):
+    """Evaluation and prediction split their batches as training does (a
+    batch that the device holds only in micro-batches is validated too):
+    batches of 12, 12 and 6 in micro-batches of 5, a masked mean with
+    sample weights (its micro-batches weighted by their weight of valid
+    pixels). Loss, metric and predictions equal plain Keras' on the whole
+    batches; the first layer saw 5 rows at most, in every step."""
+    x, y = helpers.segmentation_data(n=30)
+    weights = np.random.default_rng(3).uniform(0.2, 2.0, size=(30, 8, 8))
+    reference, ours = twins(
+        helpers.segmentation_net, steps=1, micro_batch_size=5
+    )
+    layer = next(l for l in ours.layers if l.trainable_weights)
+    largest = tf.Variable(0, trainable=False)
+    call = layer.call
+
+    def watched(inputs, *args, **kwargs):
+        rows = tf.shape(inputs)[0]
+        largest.assign(tf.maximum(largest, rows))
+        return call(inputs, *args, **kwargs)
+
+    layer.call = watched
+    for model in (reference, ours):
+        model.compile(
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, ignore_class=255
+            ),
+            metrics=["sparse_categorical_accuracy"],
+            **compile_kwargs,
+        )
+    if source == "arrays":
+        data = dict(x=x, y=y, sample_weight=weights, batch_size=12)
+        inputs = dict(x=x, batch_size=12)
+    else:
+        data = dict(x=tf.data.Dataset.from_tensor_slices(
+            (x, y, weights)
+        ).batch(12).filter(lambda *_: True))
+        inputs = dict(x=tf.data.Dataset.from_tensor_slices(x).batch(12))
+    expected = reference.evaluate(**data, verbose=0, return_dict=True)
+    got = ours.evaluate(**data, verbose=0, return_dict=True)
+    assert set(got) == set(expected)
+    rtol = masked_mean_rtol(RTOL["float64"])
+    for key, value in expected.items():
+        record(f"in-step: evaluate ({source}), {key}",
+               abs(got[key] - value) / abs(value))
+        np.testing.assert_allclose(got[key], value, rtol=rtol)
+    predicted = ours.predict(**inputs, verbose=0)
+    assert predicted.shape == (30, 8, 8, 3)
+    np.testing.assert_allclose(
+        predicted, reference.predict(**inputs, verbose=0), rtol=1e-12
+    )
+    assert int(largest.numpy()) == 5
+
+
 def test_one_traced_loop_whatever_the_batch(float64):
     """The micro-batches run in a loop: the forward pass is traced once
     for the full micro-batches (and once for a short last one), however

@@ -37,6 +37,7 @@ CHILDREN = {
     "fixed_tiny": (("fixed", "tiny"), LIMIT_MB),
     "growing": (("growing",), scenarios.HOG_LIMIT_MB),
     "dropout": (("dropout",), scenarios.HOG_LIMIT_MB),
+    "validated": (("validated",), scenarios.HOG_LIMIT_MB),
     "jit_mixed": (("jit", "mixed"), LIMIT_MB),
     "mirrored": (("mirrored",), LIMIT_MB),
     "large": (("large", "large_fixed"), scenarios.LARGE_LIMIT_MB),
@@ -80,6 +81,9 @@ def small_device(tmp_path_factory):
             if "error" not in info:
                 with np.load(folder / f"{name}.npz") as saved:
                     info["weights"] = [saved[k] for k in saved.files]
+            predicted = folder / f"{name}_predictions.npy"
+            if predicted.exists():
+                info["predictions"] = np.load(predicted)
             return info
 
         return read
@@ -224,6 +228,38 @@ def test_rolled_back_steps_leave_the_seed_generators(small_device, float64):
     record("'auto' with Dropout vs the same micro-batches, no limit", diff)
     assert diff <= 1e-12
     _assert_history_close(info["history"], history)
+
+
+@pytest.mark.background(start=start_background_runs)
+def test_validation_evaluation_and_prediction_fit_too(small_device, float64):
+    # `fit()` validates at its batch of 32, and `evaluate()` and
+    # `predict()` run at it: `MemoryHog` lets only micro-batches of 16
+    # through. The second validation batch tried twice the first's size,
+    # ran out of memory, and its metrics were rolled back; prediction
+    # tried it too. Against plain Keras at the same batches, no limit.
+    info = small_device("validated")("validated")
+    assert "error" not in info, info.get("message")
+    lines = info["stdout"]
+    assert (
+        f"Out of memory with micro-batches of {scenarios.E} of the batch of "
+        f"{scenarios.E} (input shape ({scenarios.E}, 64, 64, 3)): the "
+        "evaluation step was rolled back and runs again with micro-batches "
+        "of 16."
+    ) in lines
+    assert f"Evaluation: micro-batches of 16 of the batch of {scenarios.E} fit" in lines
+    model, history = scenarios.reference("validated")
+    predictions = scenarios.predictions.pop("validated")
+    diff = relative_difference(model.get_weights(), info["weights"])
+    record("'auto' with validation, evaluate and predict vs plain Keras", diff)
+    assert diff <= 1e-9
+    assert info["micro_batch_size"] == scenarios.HOG_MAX_ROWS
+    for key in ("val_loss", "val_accuracy", "loss", "accuracy", "evaluate"):
+        np.testing.assert_allclose(
+            info["history"][key], history[key], rtol=1e-6, err_msg=key
+        )
+    diff = relative_difference([predictions], [info["predictions"]])
+    record("'auto' predict under a limit vs plain Keras", diff)
+    assert diff <= 1e-12
 
 
 @pytest.mark.background(start=start_background_runs)

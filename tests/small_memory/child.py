@@ -8,8 +8,9 @@ all at once. Each child sets TensorFlow's CPU allocator limit to LIMIT_MB
 before its first TensorFlow op (the allocator reads it when it is made, at
 the first op), then runs its scenarios (see `CHILDREN` in the test) one
 after the other and writes, per scenario, `OUT_DIR/GROUP/<scenario>.npz`
-(final weights) and `OUT_DIR/GROUP/<scenario>.json` (history, updates, the
-chosen micro-batch, or the error raised); its stderr goes to
+(final weights), `OUT_DIR/GROUP/<scenario>.json` (history, updates, the
+chosen micro-batch, or the error raised) and, for a scenario that
+predicts, `OUT_DIR/GROUP/<scenario>_predictions.npy`; its stderr goes to
 `OUT_DIR/GROUP/stderr` and its exit code to `OUT_DIR/GROUP/returncode`.
 Exits with 1 if a child failed.
 """
@@ -73,6 +74,11 @@ def main(out_dir, names):
                 micro_batch_size=getattr(model, "micro_batch_size", None),
             )
             np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
+            if name in scenarios.predictions:
+                np.save(
+                    os.path.join(out_dir, f"{name}_predictions.npy"),
+                    scenarios.predictions.pop(name),
+                )
             del model  # its memory, before the next scenario's model
         except tf.errors.ResourceExhaustedError as error:
             info["error"] = type(error).__name__

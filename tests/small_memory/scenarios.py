@@ -28,6 +28,9 @@ LARGE_LIMIT_MB = 256
 # same micro-batches, chosen upfront, in the same process and limit).
 chosen = {}
 
+# The `validated` scenario's predictions, which the child saves.
+predictions = {}
+
 # Under `HOG_LIMIT_MB`, `MemoryHog` decides which micro-batches fit.
 HOG_LIMIT_MB = 400
 HOG_MAX_ROWS = 16
@@ -205,6 +208,24 @@ def run(name, limited, micro_batch_size="auto"):
             )
         )
         history = model.fit(x, y, batch_size=E, **fit)
+    elif name == "validated":
+        # Validation, evaluation and prediction at the training batch,
+        # which `MemoryHog` lets through only in micro-batches of 16.
+        cls = keras.Model if micro_batch_size is None else (
+            keras_accum.GradientAccumulationModel
+        )
+        options = {} if micro_batch_size is None else dict(
+            micro_batch_size=micro_batch_size
+        )
+        model = _compile(net(cls, hog_from_side=0, **options))
+        x_val, y_val = images(2 * E, 64, seed=3)
+        history = model.fit(
+            x, y, batch_size=E, validation_data=(x_val, y_val), **fit
+        )
+        history.history["evaluate"] = model.evaluate(
+            x_val, y_val, batch_size=E, verbose=0
+        )
+        predictions[name] = model.predict(x_val, batch_size=E, verbose=0)
     elif name == "growing":
         model = _compile(
             net(
@@ -223,6 +244,8 @@ def run(name, limited, micro_batch_size="auto"):
 def reference(name):
     """Plain Keras at the effective batch on the same samples: weights and
     history."""
+    if name == "validated":
+        return run(name, limited=False, micro_batch_size=None)
     if name == "growing":
         model = _compile(net(hog_from_side=32))
         batches = growing_batches()
