@@ -46,6 +46,7 @@ try:
     from keras.src.models import model as model_module
     from keras.src.models.model import functional_init_arguments  # noqa: F401
     from keras.src.random import seed_generator as _seed_generator  # noqa: F401
+    from keras.src.trainers.compile_utils import CompileLoss
     from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: F401
         unpack_x_y_sample_weight,
     )
@@ -76,6 +77,8 @@ for _module, _names in (
         ("_maybe_init_progbar", "_update_progbar", "_finalize_progbar"),
     ),
     (keras.layers.Layer, ("_flatten_layers",)),
+    (CompileLoss, ("metrics",)),
+    (CompileLoss.Loss, ("loss_weights",)),
 ):
     for _name in _names:
         if not hasattr(_module, _name):  # pragma: no cover
@@ -261,6 +264,33 @@ def track_loss(model, loss, batch_size):
     model._loss_tracker.update_state(
         loss_module.unscale_loss_for_distribution(loss),
         sample_weight=batch_size,
+    )
+
+
+def loss_trackers(model):
+    """The trackers of each compiled loss term's value (`<output>_loss`, for
+    a model with several outputs): `[]` if none, or not built yet."""
+    compiled = compile_loss(model)
+    return list(compiled.metrics) if compiled is not None else []
+
+
+def loss_weights(model):
+    """The loss weight of each compiled loss term (1 where none is given);
+    `[]` without a built compiled loss."""
+    compiled = compile_loss(model)
+    if compiled is None or not compiled.built:
+        return []
+    return [
+        1.0 if entry.loss_weights is None else float(entry.loss_weights)
+        for entry in flat_losses(compiled)
+    ]
+
+
+def track_loss_term(tracker, value, rows):
+    """Adds a term's (distribution-scaled) value to its tracker, weighted by
+    `rows`, as Keras' `CompileLoss` does (by the static row count)."""
+    tracker.update_state(
+        loss_module.unscale_loss_for_distribution(value), sample_weight=rows
     )
 
 

@@ -24,14 +24,22 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
 # `normalizer`: the `D` the term's sum was divided by (`None` for a sum);
-# `data_dependent`: whether `D` depends on a mask or sample weights.
-LossTerm = collections.namedtuple("LossTerm", ["normalizer", "data_dependent"])
+# `data_dependent`: whether `D` depends on a mask or sample weights;
+# `value`: the term's loss.
+LossTerm = collections.namedtuple(
+    "LossTerm", ["normalizer", "data_dependent", "value"]
+)
 
 
 class _LossRecording:
     def __init__(self):
         self.terms = []
         self.unknown_terms = 0
+
+    def known_terms(self):
+        """The `LossTerm`s, in the compiled losses' order; `None` if a term's
+        normaliser is unknown (a custom loss object)."""
+        return None if self.unknown_terms else list(self.terms)
 
     def normalizer(self, batch_size):
         """`D` (`None` for a sum); for mixed terms `batch_size`, warned."""
@@ -130,7 +138,7 @@ class RecordingLoss:
                 dtype=loss.dtype,
             )
             if reduction == "sum":
-                recording.terms.append(LossTerm(None, False))
+                recording.terms.append(LossTerm(None, False, value))
             else:
                 values = ops.convert_to_tensor(values, dtype=loss.dtype)
                 if sample_weight is not None:
@@ -141,7 +149,7 @@ class RecordingLoss:
                     values, sample_weight, mask, reduction
                 )
                 recording.terms.append(
-                    LossTerm(tf.stop_gradient(normalizer), data_dependent)
+                    LossTerm(tf.stop_gradient(normalizer), data_dependent, value)
                 )
         return value
 

@@ -1,5 +1,6 @@
 """`GradientAccumulationModel`: a `keras.Model` that trains with accumulation."""
 
+import collections
 import functools
 import numbers
 import warnings
@@ -22,6 +23,13 @@ from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import resolve_policy
 from keras_accum.accumulator import validate_steps
 from keras_accum.batch_norm import WindowBatchNormStatistics
+
+# One micro-batch's forward pass: its predictions, loss, the loss's
+# normaliser (`None` for a sum), rows, and the compiled loss terms (a list
+# of `loss_normalizer.LossTerm`, `None` if one is of an unknown kind).
+_Pass = collections.namedtuple(
+    "_Pass", ["y_pred", "loss", "normalizer", "batch_size", "terms"]
+)
 
 _CONFIG_KEYS = (
     "gradient_accumulation_steps",
@@ -107,6 +115,11 @@ def _multi_worker_logs(strategy, logs):
 
 def _first_tensor(x):
     return next(i for i in keras.tree.flatten(x) if i is not None)
+
+
+def _mean(total, weight):
+    """`total / weight`, or `total` where the weight is 0 (a sum)."""
+    return total / tf.where(weight > 0, weight, tf.ones_like(weight))
 
 
 def _rows(data, start, length):
@@ -642,38 +655,38 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
                 self, x=x, y=y, y_pred=y_pred,
                 sample_weight=sample_weight, training=training,
             )
-        return y_pred, loss, recording.normalizer(batch_size), batch_size
+        return _Pass(
+            y_pred, loss, recording.normalizer(batch_size), batch_size,
+            recording.known_terms(),
+        )
 
     def _forward_backward(self, x, y, sample_weight):
         """`_forward()` in training, its gradients added to the window."""
         with tf.GradientTape() as tape:
-            y_pred, loss, normalizer, batch_size = self._forward(
-                x, y, sample_weight, training=True
-            )
-            scaled = loss
+            forward = self._forward(x, y, sample_weight, training=True)
+            scaled = forward.loss
             if self.optimizer is not None:
-                scaled = self.optimizer.scale_loss(loss)
+                scaled = self.optimizer.scale_loss(forward.loss)
         if not self.trainable_weights:
             warnings.warn("The model does not have any trainable weights.")
-            return y_pred, loss, None, batch_size
+            return forward._replace(normalizer=None)
         gradients = tape.gradient(scaled, self.trainable_weights)
         self.gradient_accumulator.add(
             gradients,
             self.optimizer,
             self.trainable_weights,
-            normalizer=normalizer,
+            normalizer=forward.normalizer,
             gradient_scale=_replica_scale(),
         )
-        return y_pred, loss, normalizer, batch_size
+        return forward
 
     def _window_step(self, x, y, sample_weight):
         """A train step that adds its batch to the window, then ends it."""
         if self._micro_batch_size is None:
-            y_pred, loss, _, batch_size = self._forward_backward(
-                x, y, sample_weight
-            )
-            compat.track_loss(self, loss, batch_size)
-            logs = self.compute_metrics(x, y, y_pred, sample_weight)
+            forward = self._forward_backward(x, y, sample_weight)
+            loss = forward.loss
+            compat.track_loss(self, loss, forward.batch_size)
+            logs = self.compute_metrics(x, y, forward.y_pred, sample_weight)
         else:
             loss, batch_size = self._micro_batches(
                 (x, y, sample_weight), self._forward_backward, "train"
@@ -689,27 +702,69 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     def _micro_batches(self, data, step, kind):
         """Runs `step` on each micro-batch of the batch and updates the
-        metrics; returns the batch's loss and size."""
+        metrics; returns the batch's loss and size.
+
+        The loss is the whole batch's: each compiled loss term's value
+        combined over the micro-batches by its normaliser, weighted by its
+        loss weight, plus the rest (regularisers) averaged over the rows.
+        Each term's tracker (`<output>_loss`) gets the batch's value,
+        weighted by its rows (as eager Keras weights it; docs/semantics.md)."""
         size = tf.shape(_first_tensor(data[0]))[0]
         zero = tf.zeros((), tf.float64)
+        compiled = compat.compile_loss(self)
+        if compiled is not None and not compiled.built:
+            # Builds the compiled loss (and its trackers) symbolically.
+            x, y, sample_weight = data
+            loss_normalizer.install(
+                self, x, y, self._output_spec(x), sample_weight
+            )
+        loss_weights = compat.loss_weights(self)
+        trackers = compat.loss_trackers(self)
+        # Put back after the micro-batches, which each update them.
+        before = [[tf.identity(v.value) for v in t.variables] for t in trackers]
+        recorded = [True]  # whether every term's value was recorded
+
+        def weighted(value, normalizer):
+            value = tf.cast(value, zero.dtype)
+            if normalizer is None:  # a sum: summed (with weight 0)
+                return value, zero
+            weight = tf.cast(normalizer, zero.dtype)
+            return value * weight, weight
 
         def micro_batch(start, length):
             part = _rows(data, start, length)
-            y_pred, loss, normalizer, _ = step(*part)
-            self.compute_metrics(part[0], part[1], y_pred, part[2])
-            loss = tf.cast(loss, zero.dtype)
-            if normalizer is None:  # a sum: summed (with weight 0)
-                return loss, zero
-            weight = tf.cast(normalizer, zero.dtype)
-            return loss * weight, weight
+            forward = step(*part)
+            self.compute_metrics(part[0], part[1], forward.y_pred, part[2])
+            terms = [(t.value, t.normalizer) for t in forward.terms or ()]
+            if len(terms) != len(loss_weights):
+                # A custom loss object: the loss averaged over the rows.
+                recorded[0] = False
+                terms = [(zero, None)] * len(loss_weights)
+            rest = tf.cast(forward.loss, zero.dtype) - sum(
+                w * tf.cast(value, zero.dtype)
+                for w, (value, _) in zip(loss_weights, terms)
+            )
+            return [weighted(rest, forward.batch_size)] + [
+                weighted(*term) for term in terms
+            ]
 
         def add(total, part):
-            return total[0] + part[0], total[1] + part[1]
+            return [(a + c, b + d) for (a, b), (c, d) in zip(total, part)]
 
-        loss, weight = self._over_micro_batches(
-            data[0], micro_batch, add, (zero, zero), kind
+        sums = self._over_micro_batches(
+            data[0], micro_batch, add,
+            [(zero, zero)] * (1 + len(loss_weights)), kind,
         )
-        return loss / tf.where(weight > 0, weight, tf.ones_like(weight)), size
+        terms = [_mean(*term) for term in sums[1:]]
+        if trackers and recorded[0]:
+            for tracker, values, term in zip(trackers, before, terms):
+                for variable, value in zip(tracker.variables, values):
+                    variable.assign(value)
+                compat.track_loss_term(tracker, term, size)
+        loss = _mean(*sums[0]) + sum(
+            w * term for w, term in zip(loss_weights, terms)
+        )
+        return loss, size
 
     def _over_micro_batches(self, x, run, add, initial, kind):
         """`add`s up `run(start, length)` over the micro-batches of the
@@ -761,14 +816,19 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             logs = self.get_metrics_result()
         return _multi_worker_logs(self.distribute_strategy, logs)
 
+    def _output_spec(self, x):
+        """The structure, shapes and types of the model's outputs for `x`,
+        traced symbolically (nothing runs)."""
+        return compat.compute_output_spec(
+            functools.partial(compat.call_model, self, training=False),
+            compat.symbolic(x),
+        )
+
     def predict_step(self, data):
         if self._micro_batch_size is None:
             return super().predict_step(data)
         x, _, _ = compat.unpack_x_y_sample_weight(data)
-        spec = compat.compute_output_spec(
-            functools.partial(compat.call_model, self, training=False),
-            compat.symbolic(x),
-        )
+        spec = self._output_spec(x)
 
         def run(start, length):
             y_pred = compat.call_model(self, _rows(x, start, length), False)

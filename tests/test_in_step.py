@@ -9,6 +9,8 @@ training. (The optimizer-feature counting and `IndexedSlices`-with-Adam
 cases add no path of their own.) Below them, what is specific to the mode.
 """
 
+import contextlib
+
 import helpers
 import keras
 import numpy as np
@@ -310,6 +312,85 @@ def test_evaluate_and_predict_in_micro_batches(
         predicted, reference.predict(**inputs, verbose=0), rtol=1e-12
     )
     assert int(largest.numpy()) == 5
+
+
+@pytest.mark.parametrize("source", ["arrays", "filter"])
+def test_per_output_losses_are_the_whole_batch_s(
+    source, float64, mode, compile_kwargs
+):
+    """The losses that Keras logs for a model with two outputs (`loss`,
+    `cls_loss`, `reg_loss`), batches of 10, 10 and 4 in micro-batches of
+    4, as plain Keras logs them for the whole batches: in training and
+    validation, and in `evaluate()` with a masked mean (`ignore_class`)
+    and a weighted one, whose micro-batches are combined by their
+    normalisers. (Trained on unmasked, unweighted terms: with several
+    data-dependent normalisers the update itself is approximate, as
+    docs/semantics.md says.) The reference runs eagerly, where Keras
+    weights each batch's `<output>_loss` by its rows; in graph mode it
+    weights a batch of no static size by 1, and on input of unknown length
+    counts one call more than there were batches (measured on Keras 3.15:
+    a count of 4 for 3 batches)."""
+    x, y = classification_data(n=24)
+    y_reg = np.sin(x[:, :2])
+    masked = y.copy()
+    masked[::3] = -1  # ignored
+    weights = np.random.default_rng(4).uniform(0.2, 2.0, size=24)
+
+    def build():
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(
+            5, activation="tanh",
+            kernel_regularizer=keras.regularizers.L2(0.05),
+        )(inputs)
+        return inputs, {
+            "cls": keras.layers.Dense(3, name="cls")(h),
+            "reg": keras.layers.Dense(2, name="reg")(h),
+        }
+
+    def batches(labels, sample_weight=None):
+        targets = {"cls": labels, "reg": y_reg}
+        if source == "arrays":
+            return dict(x=x, y=targets, sample_weight=sample_weight,
+                        batch_size=10)
+        parts = (x, targets) + (() if sample_weight is None else (sample_weight,))
+        return dict(x=tf.data.Dataset.from_tensor_slices(parts).batch(
+            10
+        ).filter(lambda *_: True))
+
+    reference, ours = twins(build, steps=1, micro_batch_size=4)
+    results = []
+    for model in (reference, ours):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss={
+                "cls": keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, ignore_class=-1
+                ),
+                "reg": "mse",
+            },
+            loss_weights={"cls": 1.0, "reg": 0.3},
+            **(compile_kwargs if model is ours else dict(run_eagerly=True)),
+        )
+        history = model.fit(
+            **batches(y), epochs=2, shuffle=False, verbose=0,
+            validation_data=(x[:14], {"cls": y[:14], "reg": y_reg[:14]}),
+            validation_batch_size=10,
+        ).history
+        with pytest.warns(UserWarning) if model is ours else (
+            contextlib.nullcontext()
+        ):  # the update's weighting of such terms, warned at the trace
+            history["evaluate"] = model.evaluate(
+                **batches(masked, weights), verbose=0
+            )
+        results.append(history)
+    expected, got = results
+    assert {"cls_loss", "reg_loss", "val_cls_loss", "val_loss"} <= set(got)
+    rtol = masked_mean_rtol(RTOL["float64"])
+    for key, values in expected.items():
+        record(f"in-step: logged {key} ({source})", relative_difference(
+            [np.asarray(values)], [np.asarray(got[key])]
+        ))
+        np.testing.assert_allclose(got[key], values, rtol=rtol, err_msg=key)
 
 
 def test_one_traced_loop_whatever_the_batch(float64):
