@@ -704,11 +704,13 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """Runs `step` on each micro-batch of the batch and updates the
         metrics; returns the batch's loss and size.
 
-        The loss is the whole batch's: each compiled loss term's value
-        combined over the micro-batches by its normaliser, weighted by its
-        loss weight, plus the rest (regularisers) averaged over the rows.
-        Each term's tracker (`<output>_loss`) gets the batch's value,
-        weighted by its rows (as eager Keras weights it; docs/semantics.md)."""
+        The loss is the whole batch's. With one compiled loss term, the
+        micro-batches' losses are combined by its normaliser, as their
+        gradients are. With several (each with a tracker, `<output>_loss`),
+        each term's value is combined by its own normaliser, the terms are
+        summed with their loss weights, and the rest (regularisers) is
+        averaged over the rows; each tracker gets the batch's value of its
+        term, weighted by its rows (as eager Keras weights it)."""
         size = tf.shape(_first_tensor(data[0]))[0]
         zero = tf.zeros((), tf.float64)
         compiled = compat.compile_loss(self)
@@ -718,14 +720,13 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             loss_normalizer.install(
                 self, x, y, self._output_spec(x), sample_weight
             )
-        loss_weights = compat.loss_weights(self)
         trackers = compat.loss_trackers(self)
+        loss_weights = compat.loss_weights(self) if trackers else []
         # Put back after the micro-batches, which each update them.
         before = [[tf.identity(v.value) for v in t.variables] for t in trackers]
         recorded = [True]  # whether every term's value was recorded
 
         def weighted(value, normalizer):
-            value = tf.cast(value, zero.dtype)
             if normalizer is None:  # a sum: summed (with weight 0)
                 return value, zero
             weight = tf.cast(normalizer, zero.dtype)
@@ -735,16 +736,20 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             part = _rows(data, start, length)
             forward = step(*part)
             self.compute_metrics(part[0], part[1], forward.y_pred, part[2])
-            terms = [(t.value, t.normalizer) for t in forward.terms or ()]
+            loss = tf.cast(forward.loss, zero.dtype)
+            if not trackers:
+                return [weighted(loss, forward.normalizer)]
+            terms = [
+                (tf.cast(t.value, zero.dtype), t.normalizer)
+                for t in forward.terms or ()
+            ]
             if len(terms) != len(loss_weights):
                 # A custom loss object: the loss averaged over the rows.
                 recorded[0] = False
                 terms = [(zero, None)] * len(loss_weights)
-            rest = tf.cast(forward.loss, zero.dtype) - sum(
-                w * tf.cast(value, zero.dtype)
-                for w, (value, _) in zip(loss_weights, terms)
-            )
-            return [weighted(rest, forward.batch_size)] + [
+            for w, (value, _) in zip(loss_weights, terms):
+                loss -= value if w == 1.0 else w * value
+            return [weighted(loss, forward.batch_size)] + [
                 weighted(*term) for term in terms
             ]
 
@@ -752,7 +757,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             return [(a + c, b + d) for (a, b), (c, d) in zip(total, part)]
 
         sums = self._over_micro_batches(
-            data[0], micro_batch, add,
+            data[0], size, micro_batch, add,
             [(zero, zero)] * (1 + len(loss_weights)), kind,
         )
         terms = [_mean(*term) for term in sums[1:]]
@@ -761,17 +766,16 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
                 for variable, value in zip(tracker.variables, values):
                     variable.assign(value)
                 compat.track_loss_term(tracker, term, size)
-        loss = _mean(*sums[0]) + sum(
-            w * term for w, term in zip(loss_weights, terms)
-        )
+        loss = _mean(*sums[0])
+        for w, term in zip(loss_weights, terms):
+            loss += term if w == 1.0 else w * term
         return loss, size
 
-    def _over_micro_batches(self, x, run, add, initial, kind):
+    def _over_micro_batches(self, x, size, run, add, initial, kind):
         """`add`s up `run(start, length)` over the micro-batches of the
-        batch `x`: its whole micro-batches in a loop, then the rest; in
-        the step of `kind` (train, test, predict)."""
+        batch `x` of `size` rows: its whole micro-batches in a loop, then
+        the rest; in the step of `kind` (train, test, predict)."""
         rows = self._micro_batch_size
-        size = tf.shape(_first_tensor(x))[0]
         full = size // rows
 
         def compiled(length):
@@ -839,6 +843,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
         arrays = self._over_micro_batches(
             x,
+            tf.shape(_first_tensor(x))[0],
             run,
             add,
             [
