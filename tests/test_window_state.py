@@ -588,6 +588,11 @@ def test_carried_window_is_applied_before_the_last_validation(kind, float64):
     _assert_same_epoch_ends(reference, seen.at_epoch_end[1:])
 
 
+def _big_batch_and_ours():
+    """Plain Keras on batches of N * B, and ours on micro-batches of B."""
+    return ((_net(keras.Model), N * B), (_net(gradient_accumulation_steps=N), B))
+
+
 def test_swapped_ema_weights_validate_the_applied_window(float64):
     # `SwapEMAWeights` validates with the EMA weights and, with
     # `swap_on_epoch=True`, hands them to the epoch's later callbacks: EMA
@@ -595,10 +600,7 @@ def test_swapped_ema_weights_validate_the_applied_window(float64):
     x, y = _data(7 * B)
     validation = _data(2 * B)
     runs = []
-    for model, batch_size in (
-        (_net(keras.Model), N * B),
-        (_net(gradient_accumulation_steps=N), B),
-    ):
+    for model, batch_size in _big_batch_and_ours():
         model.compile(
             optimizer=keras.optimizers.Adam(0.01, use_ema=True),
             loss="mse",
@@ -617,10 +619,7 @@ def test_early_stopping_restores_the_applied_window(float64):
     x, y = _data(7 * B)
     validation = _data(2 * B)
     histories = []
-    for model, batch_size in (
-        (_net(keras.Model), N * B),
-        (_net(gradient_accumulation_steps=N), B),
-    ):
+    for model, batch_size in _big_batch_and_ours():
         _compile(model, "adam")
         stop = keras.callbacks.EarlyStopping(
             monitor="val_loss", patience=0, restore_best_weights=True,
