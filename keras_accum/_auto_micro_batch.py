@@ -236,6 +236,8 @@ class AutoMicroBatch:
                 outputs = [
                     self._run(kind, batch, make_function) for batch in data
                 ]
+                if len(outputs) == 1:
+                    return outputs[0]
                 return keras.tree.map_structure(
                     lambda *parts: tf.concat(parts, 0), *outputs
                 )
