@@ -288,7 +288,8 @@ def loss_weights(model):
 
 def track_loss_term(tracker, value, rows):
     """Adds a term's (distribution-scaled) value to its tracker, weighted by
-    `rows`, as Keras' `CompileLoss` does (by the static row count)."""
+    `rows` (Keras' `CompileLoss` weights by the static row count, `None`
+    where it is unknown)."""
     tracker.update_state(
         loss_module.unscale_loss_for_distribution(value), sample_weight=rows
     )
