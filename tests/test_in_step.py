@@ -257,6 +257,21 @@ def test_input_of_unknown_length(source, float64, mode, compile_kwargs):
     )
 
 
+def _largest_rows_seen(model):
+    """A variable that keeps the most rows the model's first trainable
+    layer was called with, in any step."""
+    layer = next(l for l in model.layers if l.trainable_weights)
+    largest = tf.Variable(0, trainable=False)
+    call = layer.call
+
+    def watched(inputs, *args, **kwargs):
+        largest.assign(tf.maximum(largest, tf.shape(inputs)[0]))
+        return call(inputs, *args, **kwargs)
+
+    layer.call = watched
+    return largest
+
+
 @pytest.mark.parametrize("source", ["arrays", "filter"])
 def test_evaluate_and_predict_in_micro_batches(
     source, float64, mode, compile_kwargs
@@ -272,16 +287,7 @@ def test_evaluate_and_predict_in_micro_batches(
     reference, ours = twins(
         helpers.segmentation_net, steps=1, micro_batch_size=5
     )
-    layer = next(l for l in ours.layers if l.trainable_weights)
-    largest = tf.Variable(0, trainable=False)
-    call = layer.call
-
-    def watched(inputs, *args, **kwargs):
-        rows = tf.shape(inputs)[0]
-        largest.assign(tf.maximum(largest, rows))
-        return call(inputs, *args, **kwargs)
-
-    layer.call = watched
+    largest = _largest_rows_seen(ours)
     for model in (reference, ours):
         model.compile(
             loss=keras.losses.SparseCategoricalCrossentropy(
@@ -310,6 +316,34 @@ def test_evaluate_and_predict_in_micro_batches(
     assert predicted.shape == (30, 8, 8, 3)
     np.testing.assert_allclose(
         predicted, reference.predict(**inputs, verbose=0), rtol=1e-12
+    )
+    assert int(largest.numpy()) == 5
+
+
+def test_restored_model_evaluates_and_predicts_in_micro_batches(
+    float64, tmp_path
+):
+    """Trained, saved to `.keras`, loaded, and evaluated and asked to
+    predict before any `fit()`: in micro-batches of 5 (its saved size),
+    as plain Keras with the same weights on the whole batches."""
+    x, y = classification_data(n=30)
+    reference, ours = twins(dense_net, steps=2, micro_batch_size=5)
+    for model in (reference, ours):
+        model.compile(optimizer="adam", loss=scce(), metrics=["accuracy"])
+    ours.fit(x[:10], y[:10], batch_size=10, verbose=0)
+    ours.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.micro_batch_size == 5
+    largest = _largest_rows_seen(loaded)
+    reference.set_weights(loaded.get_weights())
+    expected = reference.evaluate(x, y, batch_size=12, verbose=0)
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, batch_size=12, verbose=0), expected, rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        loaded.predict(x, batch_size=12, verbose=0),
+        reference.predict(x, batch_size=12, verbose=0),
+        rtol=1e-12,
     )
     assert int(largest.numpy()) == 5
 
