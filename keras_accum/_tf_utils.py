@@ -6,8 +6,7 @@ import tensorflow as tf
 
 
 def state_variable(initial_value, name, aggregation=None, dtype=None):
-    """A non-trainable variable local to each replica (plain without one);
-    `ONLY_FIRST_REPLICA` makes an eager cross-replica read local."""
+    """A non-trainable variable local to each replica (docs/design.md)."""
     return tf.Variable(
         initial_value,
         dtype=dtype,
@@ -24,7 +23,6 @@ def accumulation_dtype(dtype):
 
 
 def in_replica_context():
-    """Whether this runs in a `tf.distribute` replica context (any count)."""
     return (
         tf.distribute.has_strategy()
         and tf.distribute.get_replica_context() is not None
@@ -39,13 +37,11 @@ def components(value):
 
 
 def assign_per_replica(variable, values):
-    """Assigns one value per replica (a plain variable takes the first)."""
     for component, value in zip(components(variable), values):
         component.assign(value)
 
 
 def per_replica_values(variable):
-    """The numpy value of each replica's copy (one for a plain variable)."""
     return [np.asarray(c.numpy()) for c in components(variable)]
 
 
@@ -68,6 +64,13 @@ def assign_state(state, values):
     return pending
 
 
+def current_graph():
+    """The graph being built, or `None` when executing eagerly."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.get_default_graph()
+
+
 # XLA on a CPU: every decision it needs is here (docs/design.md).
 
 _CONVOLUTIONS = tuple(
@@ -78,22 +81,20 @@ _CONVOLUTIONS = tuple(
 )
 
 
-def _cpu_only():
-    return not (
+def xla_placement(jit_compile, in_step, layers, xla_aborts=False,
+                  collects=False):
+    """What XLA compiles of a step: `"step"`, `"micro_batch"` or `None`.
+
+    `collects`: the step collects its micro-batches' outputs (prediction)
+    in an array that XLA cannot grow.
+    """
+    if jit_compile is not True or xla_aborts:
+        return None
+    cpu_only = not (
         tf.config.list_logical_devices("GPU")
         or tf.config.list_logical_devices("TPU")
     )
-
-
-def xla_placement(jit_compile, in_step, layers, xla_aborts=False,
-                  collects=False):
-    """What XLA compiles of a step: `"step"`, `"micro_batch"` or `None`
-    (docs/design.md, "Micro-batches inside the train step"). `collects`:
-    the step collects its micro-batches' outputs (prediction), in a list
-    that XLA cannot grow."""
-    if jit_compile is not True or xla_aborts:
-        return None
-    if in_step and (collects or _cpu_only() and any(
+    if in_step and (collects or cpu_only and any(
         isinstance(layer, _CONVOLUTIONS) for layer in layers
     )):
         return "micro_batch"
@@ -102,28 +103,8 @@ def xla_placement(jit_compile, in_step, layers, xla_aborts=False,
 
 def xla_on_cpu():
     """Whether the function being traced is compiled by XLA for a CPU."""
-    return in_xla_context() and not tf.config.list_logical_devices("GPU")
-
-
-def run_if(pred, fn):
-    """`fn()` if `pred`, else `False`: a `tf.cond` or a 0/1-trip loop."""
-    if xla_on_cpu():
-
-        def body(count, _):
-            return count + 1, fn()
-
-        _, result = tf.while_loop(
-            lambda count, _: count < tf.cast(pred, tf.int32),
-            body,
-            (tf.constant(0), tf.constant(False)),
-        )
-        return result
-    return tf.cond(pred, fn, lambda: tf.constant(False))
-
-
-def in_xla_context():
-    """Whether the function being traced is compiled by XLA."""
-    if tf.executing_eagerly():
+    graph = current_graph()
+    if graph is None or tf.config.list_logical_devices("GPU"):
         return False
     # TensorFlow's own control flow reads the XLA context this way. If that
     # internal module moves, the plain graph forms are used (exact too).
@@ -131,13 +112,16 @@ def in_xla_context():
         from tensorflow.python.ops import control_flow_util
     except ImportError:  # pragma: no cover - depends on the TF version
         return False
-    graph = tf.compat.v1.get_default_graph()
     return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
 
-def current_graph():
-    """The graph being built, or `None` when executing eagerly."""
-    if tf.executing_eagerly():
-        return None
-    return tf.compat.v1.get_default_graph()
-
+def run_if(pred, fn):
+    """`fn()` if `pred`, else `False`: a `tf.cond` or a 0/1-trip loop."""
+    if not xla_on_cpu():
+        return tf.cond(pred, fn, lambda: tf.constant(False))
+    _, result = tf.while_loop(
+        lambda count, _: count < tf.cast(pred, tf.int32),
+        lambda count, _: (count + 1, fn()),
+        (tf.constant(0), tf.constant(False)),
+    )
+    return result

@@ -26,9 +26,9 @@ COUNTERS = (
 
 
 class WindowState(tf.Module):
-    """What one window has accumulated, per replica (as optax's
-    `MultiStepsState`): the counters, one float32 (float64 for float64
-    variables) buffer per variable and the normaliser sum.
+    """What one window has accumulated, per replica, as optax's
+    `MultiStepsState`: the counters, the normaliser sum and one float32
+    (float64 for float64 variables) buffer per variable.
 
     Counters: `micro_step` (micro-batches seen), `added_micro_batches`
     (those added: finite), `steps_in_window` (train steps ended),
@@ -137,7 +137,7 @@ class WindowState(tf.Module):
             )
 
     def add(self, gradients, normalizer, gradient_scale):
-        """Adds one (finite) micro-batch: `buffer += D * scale * g`."""
+        """Adds one finite micro-batch: `buffer += D * scale * g`."""
         dtype = self.normalizer_dtype
         # (A scale of 1, as without replicas, costs no op.)
         unscaled = isinstance(gradient_scale, (int, float)) and (
@@ -149,22 +149,54 @@ class WindowState(tf.Module):
         else:
             normalizer = tf.cast(normalizer, dtype)
             factor = normalizer if unscaled else normalizer * scale
-        first = tf.equal(self.added_micro_batches, 0)
-        _add_to_buffers(self.buffers, gradients, factor, first, self.overwrite)
+        self._add_to_buffers(gradients, factor)
         self.normalizer_sum.assign_add(normalizer)
         self.added_micro_batches.assign_add(1)
 
+    def _add_to_buffers(self, gradients, factor):
+        """`buffer += factor * g`, or `= factor * g` for the window's first
+        (docs/design.md, "Accumulating cheaply")."""
+        first = tf.equal(self.added_micro_batches, 0)
+        pairs = []
+        for b, g, keep_max in zip(self.buffers, gradients, self.overwrite):
+            if g is None:
+                continue
+            if keep_max:
+                g = tf.cast(g, b.dtype)
+                b.assign(tf.where(first, g, tf.maximum(b, g)))
+            else:
+                pairs.append((b, g))
+        # The factor cast once per buffer dtype, in a fixed order.
+        factors = {
+            dtype: tf.cast(factor, dtype)
+            for dtype in dict.fromkeys(buffer.dtype for buffer, _ in pairs)
+        }
+        if not xla_on_cpu():
+            tf.cond(
+                first,
+                functools.partial(_write_scaled, pairs, factors),
+                functools.partial(_add_scaled, pairs, factors),
+            )
+            return
+        # Under XLA on a CPU a conditional copies every buffer: selects.
+        sparse = [b for b, g in pairs if isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            run_if(first, functools.partial(_zero, sparse))
+        for buffer, g in pairs:
+            c = factors[buffer.dtype]
+            if isinstance(g, tf.IndexedSlices):
+                _scatter_add_scaled(buffer, g, c)
+            else:
+                term = tf.cast(g, buffer.dtype) * c
+                buffer.assign(tf.where(first, term, buffer + term))
+
     def totals(self, strategy):
         """(micro-batches seen, added, normaliser sum) over the replicas."""
+        counts = (self.micro_step, self.added_micro_batches, self.normalizer_sum)
         if strategy.num_replicas_in_sync == 1:
-            return self.micro_step, self.added_micro_batches, (
-                self.normalizer_sum
-            )
+            return counts
 
         def local():
-            counts = (
-                self.micro_step, self.added_micro_batches, self.normalizer_sum
-            )
             return tf.stack([tf.cast(c, tf.float64) for c in counts])
 
         steps, added, normalizer = tf.unstack(
@@ -182,11 +214,15 @@ class WindowState(tf.Module):
         if several:
             added = self.added_micro_batches > 0
             buffers = [tf.where(added, b, tf.zeros_like(b)) for b in buffers]
+        if self._gradient_is_none is None:
+            with tf.init_scope():
+                mask = per_replica_values(self.has_gradient)[0]
+            self._gradient_is_none = [not bool(m) for m in mask]
         divisor = tf.where(normalizer > 0, normalizer, tf.ones_like(normalizer))
         return [
             None if none else b if keep else b / tf.cast(divisor, b.dtype)
             for b, none, keep in zip(
-                buffers, self._gradients_are_none(), self.overwrite
+                buffers, self._gradient_is_none, self.overwrite
             )
         ]
 
@@ -222,16 +258,8 @@ class WindowState(tf.Module):
             self, "_pending_state", assign_state(self.state(), values)
         )
 
-    def _gradients_are_none(self):
-        if self._gradient_is_none is None:
-            with tf.init_scope():
-                mask = per_replica_values(self.has_gradient)[0]
-            self._gradient_is_none = [not bool(m) for m in mask]
-        return self._gradient_is_none
-
 
 def _buffer(variable, dtype):
-    """A per-replica buffer for `variable`'s gradients."""
     name = getattr(variable, "path", None) or variable.name
     return state_variable(
         tf.zeros(variable.shape, dtype),
@@ -240,44 +268,7 @@ def _buffer(variable, dtype):
     )
 
 
-def _add_to_buffers(buffers, gradients, factor, first, overwrite):
-    """`buffer += factor * g`, or `= factor * g` if `first` (docs/design.md)."""
-    pairs = []
-    for b, g, keep_max in zip(buffers, gradients, overwrite):
-        if g is None:
-            continue
-        if keep_max:
-            g = tf.cast(g, b.dtype)
-            b.assign(tf.where(first, g, tf.maximum(b, g)))
-        else:
-            pairs.append((b, g))
-    # The factor cast once per buffer dtype, in a fixed order.
-    factors = {
-        dtype: tf.cast(factor, dtype)
-        for dtype in dict.fromkeys(buffer.dtype for buffer, _ in pairs)
-    }
-    if not xla_on_cpu():
-        tf.cond(
-            first,
-            functools.partial(_write_scaled, pairs, factors),
-            functools.partial(_add_scaled, pairs, factors),
-        )
-        return
-    # Under XLA on a CPU a conditional copies every buffer: selects instead.
-    sparse = [b for b, g in pairs if isinstance(g, tf.IndexedSlices)]
-    if sparse:
-        run_if(first, functools.partial(_zero, sparse))
-    for buffer, g in pairs:
-        c = factors[buffer.dtype]
-        if isinstance(g, tf.IndexedSlices):
-            _scatter_add_scaled(buffer, g, c)
-        else:
-            term = tf.cast(g, buffer.dtype) * c
-            buffer.assign(tf.where(first, term, buffer + term))
-
-
 def _write_scaled(pairs, factors):
-    """`buffer = factor * g` for each (buffer, g): a window's first addition."""
     for buffer, g in pairs:
         c = factors[buffer.dtype]
         if isinstance(g, tf.IndexedSlices):
@@ -289,7 +280,7 @@ def _write_scaled(pairs, factors):
 
 
 def _add_scaled(pairs, factors):
-    """`buffer += factor * g` in place, in one pass (`buffer -= -factor * g`)."""
+    """`buffer += factor * g` in one pass: `buffer -= -factor * g`."""
     alphas = {dtype: -c for dtype, c in factors.items()}
     for buffer, g in pairs:
         if isinstance(g, tf.IndexedSlices):
@@ -304,7 +295,6 @@ def _add_scaled(pairs, factors):
 
 
 def _scatter_add_scaled(buffer, g, factor):
-    """`buffer[g.indices] += factor * g.values` (`g` a `tf.IndexedSlices`)."""
     buffer.scatter_add(
         tf.IndexedSlices(
             tf.cast(g.values, buffer.dtype) * factor, g.indices, g.dense_shape

@@ -125,12 +125,7 @@ class GradientAccumulator(tf.Module):
 
     @property
     def accumulates(self):
-        """bool: whether windows go through the buffers.
-
-        `True` once N > 1 was set, when set to `True` (a model that needs
-        the window with N = 1), or at the first `add()`; it is not set back
-        to `False`.
-        """
+        """bool: whether windows go through the buffers (once set, kept)."""
         return self._accumulates
 
     @accumulates.setter
@@ -141,11 +136,7 @@ class GradientAccumulator(tf.Module):
 
     @property
     def gradient_accumulation_steps(self):
-        """int: train steps per update, of the windows to come.
-
-        Settable between steps: the window in progress keeps its N. The
-        first change from 1 to more needs the train step traced again.
-        """
+        """int: train steps per update (the window in progress keeps its N)."""
         return self._steps
 
     @gradient_accumulation_steps.setter
@@ -176,45 +167,23 @@ class GradientAccumulator(tf.Module):
         return self.window.dropped_micro_batches
 
     def add_window_end_listener(self, listener):
-        """Has `listener` hear of every window's end.
-
-        Args:
-            listener: has `window_end(strategy, applied)`, called in
-                cross-replica context (`applied`: whether the update was
-                applied), and `reset()`, called on every replica after it.
-        """
+        """Calls `listener.window_end(strategy, applied)` at every window's
+        end, in cross-replica context, and `listener.reset()` after it, on
+        every replica."""
         self._listeners.append(listener)
 
     def build(self, variables):
-        """Creates the window's variables; a no-op for the same variables.
-
-        Args:
-            variables: list of the (trainable) variables to accumulate for.
-
-        Raises:
-            ValueError: if gradients are pending for other variables.
-        """
+        """Creates the window's variables for `variables`, once."""
         self.window.build(list(variables), with_buffers=self._accumulates)
 
     def state(self):
-        """The window's state variables by name (those created so far).
-
-        Returns:
-            dict from name to `tf.Variable`: the counters, `normalizer_sum`,
-            `has_gradient` and `buffer_<i>`, one per variable.
-        """
+        """The window's state variables by name: the counters,
+        `normalizer_sum`, `has_gradient` and `buffer_<i>` per variable."""
         return self.window.state()
 
     def restore(self, values):
-        """Assigns saved state; what does not exist yet waits for `build()`.
-
-        Args:
-            values: dict from a `state()` name to a list of values, one per
-                replica.
-
-        Raises:
-            ValueError: if a saved buffer does not fit its variable.
-        """
+        """Assigns `{state() name: [value per replica]}`; what does not
+        exist yet waits for `build()`."""
         self.window.restore(values)
 
     def add(
@@ -323,11 +292,10 @@ class GradientAccumulator(tf.Module):
             return self.end_step(optimizer, variables)
 
     def flush(self, optimizer, variables):
-        """Applies a partially filled window, if any; a no-op otherwise.
+        """Applies a partially filled window, if any.
 
         Args:
-            optimizer: the optimizer, as for `add()`.
-            variables: the variables, as for `add()`.
+            optimizer, variables: as for `add()`.
 
         Returns:
             A boolean tensor: whether an update was applied.

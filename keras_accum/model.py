@@ -24,9 +24,8 @@ from keras_accum.accumulator import resolve_policy
 from keras_accum.accumulator import validate_steps
 from keras_accum.batch_norm import WindowBatchNormStatistics
 
-# One micro-batch's forward pass: its predictions, loss, the loss's
-# normaliser (`None` for a sum), rows, and the compiled loss terms (a list
-# of `loss_normalizer.LossTerm`, `None` if one is of an unknown kind).
+# One micro-batch's forward pass (`normalizer`: `None` for a sum; `terms`:
+# `loss_normalizer.LossTerm`s, `None` if one is of an unknown kind).
 _Pass = collections.namedtuple(
     "_Pass", ["y_pred", "loss", "normalizer", "batch_size", "terms"]
 )
@@ -64,8 +63,7 @@ class _Window:
         self.accumulator = GradientAccumulator(
             gradient_accumulation_steps, non_finite_policy=non_finite_policy
         )
-        # Several micro-batches per step, or a policy that checks: the
-        # train step goes through the window also for N = 1.
+        # The window also for N = 1.
         self.accumulator.accumulates = (
             self.micro_batch_size is not None
             or non_finite_policy in ("skip_window", "drop_micro_batch")
@@ -88,7 +86,7 @@ def _validate_micro_batch_size(value):
     return validate_steps(value, "micro_batch_size")
 
 
-def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling):
+def _check_optimizer(optimizer, policy):
     """Raises for an optimizer that accumulates, or a policy it cannot take."""
     lso = is_loss_scale_optimizer(optimizer)
     inner = optimizer.inner_optimizer if lso else optimizer
@@ -101,11 +99,11 @@ def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling):
             "twice. Drop `gradient_accumulation_steps` from the optimizer "
             "and set it on the model instead."
         )
-    resolve_policy(policy, lso or wrapped_for_loss_scaling)
+    resolve_policy(policy, lso)
 
 
 def _multi_worker_logs(strategy, logs):
-    """Logs with a leading axis, which Keras' multi-worker reduction needs."""
+    """Logs with the leading axis of Keras' multi-worker reduction."""
     if not compat.in_multi_worker_mode(strategy):
         return logs
     return keras.tree.map_structure(
@@ -131,7 +129,7 @@ def _rows(data, start, length):
 
 
 def _replica_scale():
-    """The factor Keras divides each replica's loss by (the replica count)."""
+    """The replica count, which Keras divides each replica's loss by."""
     return float(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
@@ -175,35 +173,12 @@ def _check_backend():
         )
 
 
-def _checked_compile_arguments(model, args, kwargs):
-    """`compile()`'s arguments, with a given optimizer resolved and checked."""
-    optimizer = args[0] if args else kwargs.get("optimizer")
-    if optimizer is None or (isinstance(optimizer, str) and optimizer == "auto"):
-        return args, kwargs
-    optimizer = keras.optimizers.get(optimizer)
-    if args:
-        args = (optimizer,) + args[1:]
-    else:
-        kwargs = dict(kwargs, optimizer=optimizer)
-    if "gradient_accumulator" in vars(model):
-        _check_optimizer(
-            optimizer,
-            model.non_finite_policy,
-            # Keras wraps it for `mixed_float16` (`auto_scale_loss`).
-            kwargs.get("auto_scale_loss", True)
-            and model.dtype_policy.name == "mixed_float16",
-        )
-    return args, kwargs
-
-
-# An eager flush costs about a twelfth of tracing one (a small dense net:
-# 35 ms against 413 ms of CPU): most `fit()` calls flush a few times.
+# Flushes run eagerly before one is traced (docs/design.md, "One window end").
 _EAGER_FLUSHES = 4
 
 
 def _flush_function(model):
-    """A function that applies `model`'s pending window: on one replica
-    eagerly the first `_EAGER_FLUSHES` times, then traced (docs/design.md)."""
+    """Applies `model`'s pending window; traced after `_EAGER_FLUSHES`."""
     strategy = model.distribute_strategy
 
     def flush():
@@ -232,17 +207,13 @@ def _flush_function(model):
 class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     """A `keras.Model` that applies one update every N micro-batches.
 
-    `fit()` feeds micro-batches as usual; every `gradient_accumulation_steps`
-    of them one optimizer update is applied: the update one batch of all
-    their samples would give (each micro-batch weighted by its loss's
-    normaliser: samples, valid pixels, or sample-weight sum). Everything that
-    counts steps (`iterations`, schedules, EMA, weight decay, clipping)
-    counts updates. The pending window is saved with the model, and a
-    partial window is applied before validation and before other callbacks
-    see an epoch's end (docs/semantics.md).
-
-    Use it like `keras.Model` (functional or subclassed), or make an
-    existing model accumulate with `from_model()`.
+    Every `gradient_accumulation_steps` micro-batches of `fit()`, one
+    optimizer update is applied: the update of one batch of all their
+    samples (each weighted by its loss's normaliser). `iterations`,
+    schedules, EMA, weight decay and clipping count updates. The pending
+    window is saved with the model and applied before validation and
+    before callbacks see an epoch's end (docs/semantics.md). Use it like
+    `keras.Model`, or convert a model with `from_model()`.
 
     Args:
         gradient_accumulation_steps: int >= 1, micro-batches per update.
@@ -257,14 +228,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             moving statistics move once per window, from all its samples;
             if `False`, every micro-batch, as in Keras.
         micro_batch_size: int >= 1, `"auto"` or `None` (default). If set,
-            each train, test and predict step splits its batch into
-            micro-batches of at most this many rows (per replica); training
-            accumulates them inside the step, and a window is then
-            `gradient_accumulation_steps` train steps. Metrics and the
-            logged loss are the whole batch's. `"auto"`: the largest
-            micro-batch that fits in the device's memory; a step that runs
-            out of memory is rolled back and run again with half the
-            micro-batch (see the README, "Training in small memory").
+            each train, test and predict step runs its batch in
+            micro-batches of at most this many rows (per replica), and a
+            window is `gradient_accumulation_steps` train steps. `"auto"`:
+            the largest micro-batch that fits in the device's memory (a
+            step that runs out of memory is run again with half of it).
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -338,7 +306,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self._set_window(window)
         if getattr(self, "optimizer", None) is not None:
             # Compiled by a parent's `__init__`, or before `from_model()`.
-            _check_optimizer(self.optimizer, self.non_finite_policy, False)
+            _check_optimizer(self.optimizer, self.non_finite_policy)
             self.train_function = None
 
     def _set_window(self, window):
@@ -355,12 +323,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     @property
     def gradient_accumulation_steps(self):
-        """int: micro-batches per update.
-
-        Settable between `fit()` calls or from a callback: the window in
-        progress keeps its N and the next window takes the new one (see
-        `keras_accum.callbacks.GradientAccumulationScheduler`).
-        """
+        """int: micro-batches per update; settable (the window in progress
+        keeps its N)."""
         return self.gradient_accumulator.gradient_accumulation_steps
 
     @gradient_accumulation_steps.setter
@@ -374,12 +338,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     @property
     def micro_batch_size(self):
-        """int, `"auto"` or `None`: rows per micro-batch inside each step.
-
-        `None`: every train step is one micro-batch. With `"auto"`, the
-        size chosen for the last batch once one was trained. Settable
-        between `fit()` calls (the train step is traced again).
-        """
+        """int, `"auto"` or `None`: rows per micro-batch inside each step
+        (with `"auto"`, the size chosen for the last batch); settable."""
         if self._auto_micro_batch is not None:
             return self._auto_micro_batch.size or "auto"
         return self._micro_batch_size
@@ -438,10 +398,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def from_model(cls, model, gradient_accumulation_steps, **kwargs):
         """Makes an existing model train with accumulation, in place.
 
-        The model stays an instance of its class (a keras-hub task keeps
-        its preprocessor, `generate()` and compile defaults) and keeps its
-        weights and compile state; its class becomes a subclass of that
-        class and of `GradientAccumulationModel`, saved and loaded as such.
+        The model keeps its class (now also a `GradientAccumulationModel`),
+        weights and compile state: a keras-hub task keeps its preprocessor,
+        `generate()` and compile defaults.
 
         Args:
             model: a `keras.Model` of any kind: functional, `Sequential`,
@@ -487,10 +446,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
                 f"Expected some of {list(_CONFIG_KEYS[1:])}."
             )
         window = _Window(gradient_accumulation_steps, **kwargs)
+        policy = window.accumulator.non_finite_policy
         if getattr(model, "optimizer", None) is not None:
-            _check_optimizer(
-                model.optimizer, window.accumulator.non_finite_policy, False
-            )
+            _check_optimizer(model.optimizer, policy)
         model.__class__ = classes.accumulating_class(
             type(model),
             GradientAccumulationModel,
@@ -500,11 +458,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return model
 
     def compile(self, *args, **kwargs):
-        args, kwargs = _checked_compile_arguments(self, args, kwargs)
         super().compile(*args, **kwargs)
-        if "gradient_accumulator" in vars(self):
-            # The parent's default optimizer, if none was given.
-            _check_optimizer(self.optimizer, self.non_finite_policy, False)
+        if "gradient_accumulator" in vars(self):  # else: `_init_window`
+            _check_optimizer(self.optimizer, self.non_finite_policy)
         self._flush_function = None
 
     def compile_from_config(self, config):
@@ -701,16 +657,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return logs
 
     def _micro_batches(self, data, step, kind):
-        """Runs `step` on each micro-batch of the batch and updates the
-        metrics; returns the batch's loss and size.
-
-        The loss is the whole batch's. With one compiled loss term, the
-        micro-batches' losses are combined by its normaliser, as their
-        gradients are. With several (each with a tracker, `<output>_loss`),
-        each term's value is combined by its own normaliser, the terms are
-        summed with their loss weights, and the rest (regularisers) is
-        averaged over the rows; each tracker gets the batch's value of its
-        term, weighted by its rows (as eager Keras weights it)."""
+        """Runs `step` on each micro-batch and updates the metrics; returns
+        the whole batch's loss (docs/design.md) and size."""
         size = tf.shape(_first_tensor(data[0]))[0]
         zero = tf.zeros((), tf.float64)
         compiled = compat.compile_loss(self)
@@ -772,9 +720,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return loss, size
 
     def _over_micro_batches(self, x, size, run, add, initial, kind):
-        """`add`s up `run(start, length)` over the micro-batches of the
-        batch `x` of `size` rows: its whole micro-batches in a loop, then
-        the rest; in the step of `kind` (train, test, predict)."""
+        """`add`s up `run(start, length)` over the micro-batches of `x`: the
+        whole ones in a loop, then the rest."""
         rows = self._micro_batch_size
         full = size // rows
 
@@ -821,8 +768,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return _multi_worker_logs(self.distribute_strategy, logs)
 
     def _output_spec(self, x):
-        """The structure, shapes and types of the model's outputs for `x`,
-        traced symbolically (nothing runs)."""
+        """The model's output spec for `x`, traced symbolically."""
         return compat.compute_output_spec(
             functools.partial(compat.call_model, self, training=False),
             compat.symbolic(x),
