@@ -297,29 +297,34 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         )
 
     def _init_window(self, window):
+        self.flush_at_epoch_end = window.flush_at_epoch_end
+        self.gradient_accumulator = window.accumulator
+        self._batch_norm_statistics = window.batch_norm_statistics
+        window.accumulator.add_window_end_listener(self._batch_norm_statistics)
         self._flush_function = None
         # Per function kind: whether XLA compiles each micro-batch.
         self._micro_batches_in_xla = {}
         # How `keras_accum.callbacks.BackupAndRestore` resumes mid-epoch.
         self.batch_skip = BatchSkip()
         self.epoch_end = EpochEnd()
-        self._set_window(window)
+        self._auto_micro_batch = self._micro_batch_size = None
+        self._use_micro_batch_size(window.micro_batch_size)
         if getattr(self, "optimizer", None) is not None:
             # Compiled by a parent's `__init__`, or before `from_model()`.
             _check_optimizer(self.optimizer, self.non_finite_policy)
             self.train_function = None
 
-    def _set_window(self, window):
-        self.flush_at_epoch_end = window.flush_at_epoch_end
-        self._auto_micro_batch = None
-        micro_batch_size = window.micro_batch_size
-        if micro_batch_size == "auto":
-            self._auto_micro_batch = AutoMicroBatch(self)
-            micro_batch_size = None  # set per input shape, when tracing
-        self._micro_batch_size = micro_batch_size
-        self.gradient_accumulator = window.accumulator
-        self._batch_norm_statistics = window.batch_norm_statistics
-        window.accumulator.add_window_end_listener(self._batch_norm_statistics)
+    def _use_micro_batch_size(self, value):
+        """Takes a validated `micro_batch_size`; returns whether it changed.
+        With "auto" the size is set per input shape, when tracing."""
+        auto = value == "auto"
+        if auto == (self._auto_micro_batch is not None) and (
+            auto or value == self._micro_batch_size
+        ):
+            return False
+        self._auto_micro_batch = AutoMicroBatch(self) if auto else None
+        self._micro_batch_size = None if auto else value
+        return True
 
     @property
     def gradient_accumulation_steps(self):
@@ -349,14 +354,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         value = _validate_micro_batch_size(value)
         if value is not None:
             self.gradient_accumulator.accumulates = True
-        auto = self._auto_micro_batch is not None
-        if value == "auto" and not auto:
-            self._auto_micro_batch = AutoMicroBatch(self)
-            self._micro_batch_size = None
-            self._retrace()
-        elif value != "auto" and (auto or value != self._micro_batch_size):
-            self._auto_micro_batch = None
-            self._micro_batch_size = value
+        if self._use_micro_batch_size(value):
             self._retrace()
 
     def _retrace(self):
@@ -831,7 +829,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if all(key in config for key in functional_keys):
             own = {k: config.pop(k) for k in _CONFIG_KEYS if k in config}
             model = super().from_config(config, custom_objects=custom_objects)
-            model._set_window(_Window(**own))
+            model._init_window(_Window(**own))
             return model
         return super().from_config(config, custom_objects=custom_objects)
 
