@@ -232,7 +232,10 @@ class GradientAccumulator(tf.Module):
         # Nothing below runs before the gradients exist: a step whose input
         # ran out (Keras' end-of-data call) changes no state.
         with tf.control_dependencies(_tensors(gradients)):
-            gradients = _unscaled(gradients, optimizer, window.overwrite)
+            if is_loss_scale_optimizer(optimizer):
+                # Unscaled through the buffers' factor (docs/design.md).
+                scale = tf.cast(optimizer.dynamic_scale, tf.float32)
+                gradient_scale = gradient_scale / scale
             add = functools.partial(
                 window.add, gradients, normalizer, gradient_scale
             )
@@ -391,22 +394,3 @@ def _tensors(gradients):
 def _all_finite(gradients):
     checks = [tf.reduce_all(tf.math.is_finite(g)) for g in _tensors(gradients)]
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
-
-
-def _unscaled(gradients, optimizer, overwrite):
-    """The gradients divided by the loss scale, if `optimizer` scales."""
-    if not is_loss_scale_optimizer(optimizer):
-        return gradients
-    unscale = 1.0 / tf.cast(optimizer.dynamic_scale, tf.float32)
-    return [
-        g if g is None or keep else _scale(g, unscale)
-        for g, keep in zip(gradients, overwrite)
-    ]
-
-
-def _scale(g, factor):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
-        )
-    return g * tf.cast(factor, g.dtype)
