@@ -192,7 +192,9 @@ class WindowState(tf.Module):
 
     def totals(self, strategy):
         """(micro-batches seen, added, normaliser sum) over the replicas."""
-        counts = (self.micro_step, self.added_micro_batches, self.normalizer_sum)
+        counts = (
+            self.micro_step, self.added_micro_batches, self.normalizer_sum
+        )
         if strategy.num_replicas_in_sync == 1:
             return counts
 
