@@ -642,10 +642,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             compat.track_loss(self, loss, forward.batch_size)
             logs = self.compute_metrics(x, y, forward.y_pred, sample_weight)
         else:
-            loss, batch_size = self._micro_batches(
+            loss = self._micro_batches(
                 (x, y, sample_weight), self._forward_backward, "train"
             )
-            compat.track_loss(self, loss, batch_size)
             logs = self.get_metrics_result()
         if self.optimizer is not None and self.trainable_weights:
             with tf.control_dependencies([loss]):
@@ -655,8 +654,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return logs
 
     def _micro_batches(self, data, step, kind):
-        """Runs `step` on each micro-batch and updates the metrics; returns
-        the whole batch's loss (docs/design.md) and size."""
+        """Runs `step` on each micro-batch, updates the metrics and the
+        logged loss; returns the whole batch's loss (docs/design.md)."""
         size = tf.shape(_first_tensor(data[0]))[0]
         zero = tf.zeros((), tf.float64)
         compiled = compat.compile_loss(self)
@@ -715,11 +714,12 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         loss = _mean(*sums[0])
         for w, term in zip(loss_weights, terms):
             loss += term if w == 1.0 else w * term
-        return loss, size
+        compat.track_loss(self, loss, size)
+        return loss
 
     def _over_micro_batches(self, x, size, run, add, initial, kind):
-        """`add`s up `run(start, length)` over the micro-batches of `x`: the
-        whole ones in a loop, then the rest."""
+        """`add`s up `run(start, length)` over the micro-batches of `x` (of
+        `size` rows): the whole ones in a loop, then the rest."""
         rows = self._micro_batch_size
         full = size // rows
 
@@ -757,11 +757,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if self._micro_batch_size is None:
             logs = super().test_step(data)
         else:
-            # The batch's loss and metrics, from micro-batches of its rows.
-            loss, batch_size = self._micro_batches(
+            self._micro_batches(
                 compat.unpack_x_y_sample_weight(data), self._forward, "test"
             )
-            compat.track_loss(self, loss, batch_size)
             logs = self.get_metrics_result()
         return _multi_worker_logs(self.distribute_strategy, logs)
 
@@ -785,18 +783,12 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         def add(arrays, outputs):
             return [a.write(a.size(), o) for a, o in zip(arrays, outputs)]
 
-        arrays = self._over_micro_batches(
-            x,
-            tf.shape(_first_tensor(x))[0],
-            run,
-            add,
-            [
-                tf.TensorArray(t.dtype, size=0, dynamic_size=True,
-                               infer_shape=False)
-                for t in keras.tree.flatten(spec)
-            ],
-            "predict",
-        )
+        arrays = [
+            tf.TensorArray(t.dtype, 0, dynamic_size=True, infer_shape=False)
+            for t in keras.tree.flatten(spec)
+        ]
+        size = tf.shape(_first_tensor(x))[0]
+        arrays = self._over_micro_batches(x, size, run, add, arrays, "predict")
         return keras.tree.pack_sequence_as(spec, [a.concat() for a in arrays])
 
     def _step_logs(self, logs):
