@@ -18,13 +18,10 @@ def _missing(what):
     )
 
 
-# The oldest Keras the tests pass on (docs/compatibility.md).
-MIN_KERAS = (3, 11)
-
-if tuple(map(int, re.findall(r"\d+", keras.__version__)[:2])) < MIN_KERAS:
+# 3.11: the oldest Keras the tests pass on (docs/compatibility.md).
+if tuple(map(int, re.findall(r"\d+", keras.__version__)[:2])) < (3, 11):
     raise ImportError(  # pragma: no cover
-        "keras_accum needs Keras >= "
-        f"{'.'.join(map(str, MIN_KERAS))}; Keras {keras.__version__} is "
+        f"keras_accum needs Keras >= 3.11; Keras {keras.__version__} is "
         "installed. Upgrade it with `pip install -U keras`."
     )
 
@@ -130,12 +127,7 @@ class _Count(float):
         return _Count(float(self) / other)
 
     def __format__(self, spec):
-        return str(self)
-
-    def __str__(self):
         return str(int(self))
-
-    __repr__ = __str__
 
 
 def _with_count(logs):
@@ -274,20 +266,19 @@ class TrainerHooks:
             )
 
 
-_MISSING = object()
-
-
 class MomentsPatch:
     """`_moments` and the moving statistics' `assign` of one layer, patched."""
+
+    _MISSING = object()
 
     def __init__(self, layer):
         self.layer = layer
         self.users = 0
         self._assigned = False
-        self._own = []  # [(object, name, its own attribute or _MISSING)]
+        self._own = []  # [(object, name, own attribute or `_MISSING`)]
 
     def _set(self, obj, name, value):
-        self._own.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        self._own.append((obj, name, obj.__dict__.get(name, self._MISSING)))
         object.__setattr__(obj, name, value)
 
     def install_moments(self, moments):
@@ -301,7 +292,7 @@ class MomentsPatch:
 
     def remove(self):
         for obj, name, own in reversed(self._own):
-            if own is _MISSING:
+            if own is self._MISSING:
                 object.__delattr__(obj, name)
             else:
                 object.__setattr__(obj, name, own)
