@@ -1,12 +1,8 @@
-"""The one seam to Keras' private API.
-
-Every `keras.src` import of the package is here, with the private attributes
-that the exact paths need. They are checked when keras_accum is imported: a
-Keras without them fails then, with an error that names its version, rather
-than training inexactly later.
-"""
+"""The one seam to Keras' private API, checked when keras_accum is imported
+(docs/design.md, "Keras internals")."""
 
 import contextlib
+import operator
 import re
 import threading
 
@@ -22,18 +18,10 @@ def _missing(what):
     )
 
 
-# The oldest Keras the tests pass on (docs/compatibility.md).
-MIN_KERAS = (3, 11)
-
-
-def _version(text):
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
-
-
-if _version(keras.__version__) < MIN_KERAS:  # pragma: no cover
-    raise ImportError(
-        "keras_accum needs Keras >= "
-        f"{'.'.join(map(str, MIN_KERAS))}; Keras {keras.__version__} is "
+# 3.11: the oldest Keras the tests pass on (docs/compatibility.md).
+if tuple(map(int, re.findall(r"\d+", keras.__version__)[:2])) < (3, 11):
+    raise ImportError(  # pragma: no cover
+        f"keras_accum needs Keras >= 3.11; Keras {keras.__version__} is "
         "installed. Upgrade it with `pip install -U keras`."
     )
 
@@ -41,48 +29,41 @@ try:
     from keras.src.backend import compute_output_spec  # noqa: F401
     from keras.src.backend import get_keras_mask  # noqa: F401
     from keras.src.backend import name_scope  # noqa: F401
+    from keras.src.backend.common import global_state
     from keras.src.losses import loss as loss_module
-    from keras.src.models.functional import Functional  # noqa: F401
+    from keras.src.models.functional import Functional
     from keras.src.models import model as model_module
     from keras.src.models.model import functional_init_arguments  # noqa: F401
-    from keras.src.random import seed_generator as _seed_generator  # noqa: F401
+    from keras.src.random import seed_generator
     from keras.src.trainers.compile_utils import CompileLoss
-    from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: F401
-        unpack_x_y_sample_weight,
+    from keras.src.trainers.data_adapters.data_adapter_utils import (
+        unpack_x_y_sample_weight,  # noqa: F401
     )
 except ImportError as error:  # pragma: no cover - depends on the version
     raise _missing(f"modules import ({error})") from error
 
-for _module, _names in (
+for _owner, _names in (
     (
         loss_module,
-        (
-            "Loss",
-            "apply_mask",
-            "reduce_weighted_values",
-            "squeeze_or_expand_to_same_rank",
-            "standardize_reduction",
-            "unscale_loss_for_distribution",
-        ),
+        "Loss apply_mask reduce_weighted_values squeeze_or_expand_to_same_rank "
+        "standardize_reduction unscale_loss_for_distribution",
     ),
-    (keras.Model, ("_compute_loss", "_symbolic_build", "_maybe_symbolic_build")),
-    (model_module, ("inject_functional_model_class",)),
-    (keras.layers.BatchNormalization, ("_moments",)),
-    (
-        keras.optimizers.LossScaleOptimizer,
-        ("_stateful_handle_non_finite_grads",),
-    ),
+    (keras.Model, "_compute_loss _symbolic_build _maybe_symbolic_build"),
+    (model_module, "inject_functional_model_class"),
+    (keras.layers.BatchNormalization, "_moments"),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads"),
     (
         keras.callbacks.ProgbarLogger,
-        ("_maybe_init_progbar", "_update_progbar", "_finalize_progbar"),
+        "_maybe_init_progbar _update_progbar _finalize_progbar",
     ),
-    (keras.layers.Layer, ("_flatten_layers",)),
-    (CompileLoss, ("metrics",)),
-    (CompileLoss.Loss, ("loss_weights",)),
+    (keras.layers.Layer, "_flatten_layers"),
+    (CompileLoss, "metrics"),
+    (CompileLoss.Loss, "loss_weights"),
 ):
-    for _name in _names:
-        if not hasattr(_module, _name):  # pragma: no cover
-            raise _missing(f"`{getattr(_module, '__name__', _module)}.{_name}`")
+    for _name in _names.split():
+        if not hasattr(_owner, _name):  # pragma: no cover
+            raise _missing(f"`{getattr(_owner, '__name__', _owner)}.{_name}`")
+
 
 def flat_losses(compile_loss):
     """The mutable list of a built `CompileLoss`'s loss entries."""
@@ -97,17 +78,12 @@ def layers_of(model):
     return model._flatten_layers(include_self=True, recursive=True)
 
 
-def reduction_axes(layer):
-    """The axes a `BatchNormalization` layer's moments reduce over."""
-    return layer._reduction_axes
+reduction_axes = operator.attrgetter("_reduction_axes")
+moments = operator.attrgetter("_moments")
 
 
 def global_seed_generator(create=False):
-    """Keras' global `SeedGenerator` (of `keras.random` calls without a
-    seed), or `None` if none was made yet and `create` is `False`."""
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-
+    """Keras' global `SeedGenerator` (`None` if none yet and not `create`)."""
     if create:
         return seed_generator.global_seed_generator()
     return global_state.get_global_attribute(
@@ -116,7 +92,6 @@ def global_seed_generator(create=False):
 
 
 def set_initial_epoch(model, epoch):
-    """The epoch `fit()` starts from (as Keras' `BackupAndRestore` sets)."""
     model._initial_epoch = epoch
 
 
@@ -146,19 +121,19 @@ def grow_loss_scale(optimizer):
 
 
 class _Count(float):
-    """A count that Keras' progress bar, which divides every value by 1 and
-    formats it as a float, prints as an integer."""
+    """A count that Keras' progress bar (a float / 1) prints as an integer."""
 
     def __truediv__(self, other):
         return _Count(float(self) / other)
 
     def __format__(self, spec):
-        return str(self)
-
-    def __str__(self):
         return str(int(self))
 
-    __repr__ = __str__
+
+def _with_count(logs):
+    if not logs or "updates" not in logs:
+        return logs
+    return dict(logs, updates=_Count(logs["updates"]))
 
 
 class ProgbarLogger(keras.callbacks.ProgbarLogger):
@@ -178,33 +153,14 @@ class ProgbarLogger(keras.callbacks.ProgbarLogger):
         super()._finalize_progbar(_with_count(logs))
 
 
-def _with_count(logs):
-    if not logs or "updates" not in logs:
-        return logs
-    return dict(logs, updates=_Count(logs["updates"]))
-
-
 def in_multi_worker_mode(strategy):
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ) and strategy.extended._in_multi_worker_mode()
 
 
-def first_replica_batch(strategy, epoch_iterator):
-    """The first batch of a Keras epoch iterator, as one replica sees it."""
-    for _, _, iterator in epoch_iterator:
-        batch = next(iterator)
-        break
-    return keras.tree.map_structure(
-        lambda v: strategy.experimental_local_results(v)[0]
-        if isinstance(v, tf.distribute.DistributedValues)
-        else v,
-        batch,
-    )
-
-
-# Instances whose `__init__` is running, per thread, with the class each
-# takes when a parent builds it functionally (`building_functionally`).
+# Per thread, the instances whose `__init__` is running, each with the class
+# it takes when a parent builds it functionally.
 _building = threading.local()
 _inject_functional_model_class = model_module.inject_functional_model_class
 
@@ -218,14 +174,13 @@ def _inject(cls):
     return _inject_functional_model_class(cls)
 
 
-# Installed once, at import: it changes nothing for other models.
 model_module.inject_functional_model_class = _inject
 
 
 @contextlib.contextmanager
 def building_functionally(instance, functional_class):
-    """While `instance` is initialised, a functional build gives it
-    `functional_class(cls)` (docs/design.md, "Every model class")."""
+    """While `instance` is initialised, its functional build gives it the
+    class `functional_class(cls)` of its class `cls`."""
     stack = _building.__dict__.setdefault("stack", [])
     stack.append((instance, functional_class))
     try:
@@ -261,22 +216,24 @@ def compile_loss(model):
 
 def track_loss(model, loss, batch_size):
     """Adds a step's (distribution-scaled) loss to the logged `loss`."""
-    model._loss_tracker.update_state(
-        loss_module.unscale_loss_for_distribution(loss),
-        sample_weight=batch_size,
+    track_loss_term(model._loss_tracker, loss, batch_size)
+
+
+def track_loss_term(tracker, value, rows):
+    """Adds a (distribution-scaled) value to `tracker`, weighted by `rows`."""
+    tracker.update_state(
+        loss_module.unscale_loss_for_distribution(value), sample_weight=rows
     )
 
 
 def loss_trackers(model):
-    """The trackers of each compiled loss term's value (`<output>_loss`, for
-    a model with several outputs): `[]` if none, or not built yet."""
+    """The trackers of the compiled loss terms (`<output>_loss`), or `[]`."""
     compiled = compile_loss(model)
     return list(compiled.metrics) if compiled is not None else []
 
 
 def loss_weights(model):
-    """The loss weight of each compiled loss term (1 where none is given);
-    `[]` without a built compiled loss."""
+    """Each compiled loss term's weight (1 if none); `[]` if not built."""
     compiled = compile_loss(model)
     if compiled is None or not compiled.built:
         return []
@@ -284,15 +241,6 @@ def loss_weights(model):
         1.0 if entry.loss_weights is None else float(entry.loss_weights)
         for entry in flat_losses(compiled)
     ]
-
-
-def track_loss_term(tracker, value, rows):
-    """Adds a term's (distribution-scaled) value to its tracker, weighted by
-    `rows` (Keras' `CompileLoss` weights by the static row count, `None`
-    where it is unknown)."""
-    tracker.update_state(
-        loss_module.unscale_loss_for_distribution(value), sample_weight=rows
-    )
 
 
 class TrainerHooks:
@@ -303,54 +251,49 @@ class TrainerHooks:
         # learn its shapes, which fails under `MultiWorkerMirroredStrategy`.
         if self._distribute_strategy is None or iterator is None:
             return super()._maybe_symbolic_build(iterator, data_batch)
-        with self.distribute_strategy.scope():
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            for _, _, batches in iterator:
+                batch = next(batches)
+                break
             self._symbolic_build(
-                data_batch=first_replica_batch(
-                    self.distribute_strategy, iterator
+                data_batch=keras.tree.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v,
+                    batch,
                 )
             )
-
-
-def moments(layer):
-    """A `BatchNormalization` layer's `_moments(inputs, mask)`."""
-    return layer._moments
-
-
-_MISSING = object()
 
 
 class MomentsPatch:
     """`_moments` and the moving statistics' `assign` of one layer, patched."""
 
+    _MISSING = object()
+
     def __init__(self, layer):
         self.layer = layer
         self.users = 0
-        self._own_moments = layer.__dict__.get("_moments", _MISSING)
-        self._assigns = None  # [(variable, own `assign` attribute)]
+        self._assigned = False
+        self._own = []  # [(object, name, own attribute or `_MISSING`)]
+
+    def _set(self, obj, name, value):
+        self._own.append((obj, name, obj.__dict__.get(name, self._MISSING)))
+        object.__setattr__(obj, name, value)
 
     def install_moments(self, moments):
-        object.__setattr__(self.layer, "_moments", moments)
+        self._set(self.layer, "_moments", moments)
 
     def install_assign(self, make_assign):
-        if self._assigns is not None:
-            return
-        self._assigns = []
-        for variable in (self.layer.moving_mean, self.layer.moving_variance):
-            own = variable.__dict__.get("assign", _MISSING)
-            object.__setattr__(
-                variable, "assign", make_assign(self.layer, variable.assign)
-            )
-            self._assigns.append((variable, own))
+        if not self._assigned:
+            self._assigned = True
+            for var in (self.layer.moving_mean, self.layer.moving_variance):
+                self._set(var, "assign", make_assign(self.layer, var.assign))
 
     def remove(self):
-        _restore(self.layer, "_moments", self._own_moments)
-        for variable, own in self._assigns or ():
-            _restore(variable, "assign", own)
-        self._assigns = None
-
-
-def _restore(obj, name, own):
-    if own is _MISSING:
-        object.__delattr__(obj, name)
-    else:
-        object.__setattr__(obj, name, own)
+        for obj, name, own in reversed(self._own):
+            if own is self._MISSING:
+                object.__delattr__(obj, name)
+            else:
+                object.__setattr__(obj, name, own)
+        self._own, self._assigned = [], False

@@ -7,57 +7,36 @@ import keras
 
 from keras_accum import _keras_compat as compat
 
+_CLASSES = {}  # bases -> the class derived from them
 
-_CLASSES = {}
+
+def _derive(cls, bases, saved_as, **attrs):
+    """`bases`' subclass named as `cls` (made once), saved as `saved_as`."""
+    if bases not in _CLASSES:
+        attrs.update(__module__=cls.__module__, __doc__=cls.__doc__)
+        derived = type(cls.__name__, bases, attrs)
+        name = keras.saving.get_registered_name(saved_as)
+        if name != derived.__name__:
+            package, _, short = name.rpartition(">")
+            register = keras.saving.register_keras_serializable(package, short)
+            register(derived)
+            register(saved_as)
+        _CLASSES[bases] = derived
+    return _CLASSES[bases]
 
 
 def functional_class(cls, accumulating, functional):
-    """`cls` built functionally: a subclass of `cls` and `Functional`
-    (`functional` for `accumulating`, the `GradientAccumulationModel`)."""
+    """`cls` built functionally (`functional` for `accumulating`)."""
     if cls is accumulating:
         return functional
-    if ("functional", cls) not in _CLASSES:
-        twin = type(
-            cls.__name__,
-            (cls, compat.Functional),
-            {"__module__": cls.__module__, "__doc__": cls.__doc__},
-        )
-        # Saved under the name of `cls`, whose `from_config` rebuilds it.
-        _save_as(twin, cls)
-        _CLASSES["functional", cls] = twin
-    return _CLASSES["functional", cls]
+    return _derive(cls, (cls, compat.Functional), cls)
 
 
 def accumulating_class(cls, accumulating, functional):
-    """The class `from_model()` gives an instance of `cls`: a subclass of
-    `accumulating` (`GradientAccumulationModel`) and `cls`."""
+    """The class `from_model()` gives an instance of `cls`."""
     if cls is compat.Functional:
         return functional
-    if ("accumulating", cls) not in _CLASSES:
-        converted = type(
-            cls.__name__,
-            (accumulating, cls),
-            {
-                "__module__": cls.__module__,
-                "__doc__": cls.__doc__,
-                "_converted_from": cls,
-            },
-        )
-        # Saved as a `GradientAccumulationModel` whose config names `cls`.
-        _save_as(converted, accumulating)
-        _CLASSES["accumulating", cls] = converted
-    return _CLASSES["accumulating", cls]
-
-
-def _save_as(cls, target):
-    """Has Keras save instances of `cls` under the name of `target`."""
-    name = keras.saving.get_registered_name(target)
-    if name == cls.__name__:
-        return
-    package, _, class_name = name.rpartition(">")
-    register = keras.saving.register_keras_serializable(package, class_name)
-    register(cls)
-    register(target)
+    return _derive(cls, (accumulating, cls), accumulating, _converted_from=cls)
 
 
 def class_from_config(spec, custom_objects=None):
@@ -65,8 +44,7 @@ def class_from_config(spec, custom_objects=None):
     cls = keras.saving.get_registered_object(
         spec["registered_name"], custom_objects
     )
-    package = spec["module"].split(".")[0]
-    if cls is None and package in ("keras", "keras_hub"):
+    if cls is None and spec["module"].split(".")[0] in ("keras", "keras_hub"):
         module = importlib.import_module(spec["module"])
         cls = getattr(module, spec["class_name"], None)
     if not (isinstance(cls, type) and issubclass(cls, keras.Model)):

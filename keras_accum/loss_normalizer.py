@@ -1,8 +1,5 @@
-"""The normaliser `D` of each compiled loss term, recorded beside the loss.
-
-Wraps the loss objects of the model's `CompileLoss`; see docs/design.md,
-"Exact normalisation".
-"""
+"""The normaliser `D` of each compiled loss term, recorded beside the loss
+(docs/design.md, "Exact normalisation")."""
 
 import collections
 import contextlib
@@ -15,17 +12,15 @@ from keras import ops
 from keras import tree
 
 from keras_accum import _keras_compat as compat
-from keras_accum._keras_compat import loss_module as keras_loss_module
+from keras_accum._keras_compat import loss_module as keras_loss
 
 _state = threading.local()
 
 # Reductions whose value is a mean, i.e. `sum / normaliser`.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
-
 # `normalizer`: the `D` the term's sum was divided by (`None` for a sum);
-# `data_dependent`: whether `D` depends on a mask or sample weights;
-# `value`: the term's loss.
+# `data_dependent`: whether `D` depends on a mask or sample weights.
 LossTerm = collections.namedtuple(
     "LossTerm", ["normalizer", "data_dependent", "value"]
 )
@@ -37,17 +32,15 @@ class _LossRecording:
         self.unknown_terms = 0
 
     def known_terms(self):
-        """The `LossTerm`s, in the compiled losses' order; `None` if a term's
-        normaliser is unknown (a custom loss object)."""
+        """The `LossTerm`s in the compiled losses' order; `None` if unknown."""
         return None if self.unknown_terms else list(self.terms)
 
     def normalizer(self, batch_size):
         """`D` (`None` for a sum); for mixed terms `batch_size`, warned."""
-        terms = self.terms
-        if len(terms) == 1 and self.unknown_terms == 0:
-            return terms[0].normalizer
+        if len(self.terms) == 1 and self.unknown_terms == 0:
+            return self.terms[0].normalizer
         if self.unknown_terms or any(
-            t.data_dependent or t.normalizer is None for t in terms
+            t.data_dependent or t.normalizer is None for t in self.terms
         ):
             warnings.warn(
                 "GradientAccumulationModel: the model's loss has several "
@@ -73,27 +66,6 @@ def record_loss_terms():
         _state.recording = previous
 
 
-def _normalizer(values, sample_weight, mask, reduction):
-    """The divisor Keras' `reduce_weighted_values` uses for `values`."""
-    dtype = values.dtype
-    if reduction == "mean_with_sample_weight" and (
-        sample_weight is not None or mask is not None
-    ):
-        weights = keras_loss_module.apply_mask(
-            sample_weight, mask, dtype=dtype, reduction=reduction
-        )
-        weights = ops.cast(weights, dtype)
-        _, weights = keras_loss_module.squeeze_or_expand_to_same_rank(
-            values, weights
-        )
-        return ops.sum(weights), True
-    if mask is not None:
-        # Keras weights valid entries by `total / valid` (0 if none).
-        return ops.sum(ops.cast(mask, dtype)), True
-    size = ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32"))
-    return ops.cast(size, dtype), False
-
-
 class RecordingLoss:
     """A `keras.losses.Loss` recording its normaliser in `record_loss_terms`."""
 
@@ -109,8 +81,8 @@ class RecordingLoss:
         loss = self.loss
         if recording is None:
             return loss(y_true, y_pred, sample_weight)
-        reduction = keras_loss_module.standardize_reduction(loss.reduction)
-        if type(loss).__call__ is not keras_loss_module.Loss.__call__ or (
+        reduction = keras_loss.standardize_reduction(loss.reduction)
+        if type(loss).__call__ is not keras_loss.Loss.__call__ or (
             reduction not in _MEAN_REDUCTIONS + ("sum",)
         ):
             recording.unknown_terms += 1
@@ -119,18 +91,15 @@ class RecordingLoss:
         # The same steps as `keras.losses.Loss.__call__`.
         in_mask = compat.get_keras_mask(y_pred)
         with compat.name_scope(loss.name):
-            y_pred = tree.map_structure(
-                lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_pred
-            )
-            y_true = tree.map_structure(
-                lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_true
-            )
+            convert = functools.partial(ops.convert_to_tensor, dtype=loss.dtype)
+            y_pred = tree.map_structure(convert, y_pred)
+            y_true = tree.map_structure(convert, y_true)
             values = loss.call(y_true, y_pred)
             out_mask = compat.get_keras_mask(values)
             mask = in_mask if out_mask is None else out_mask
             if in_mask is not None and out_mask is not None:
                 mask = in_mask & out_mask
-            value = keras_loss_module.reduce_weighted_values(
+            value = keras_loss.reduce_weighted_values(
                 values,
                 sample_weight=sample_weight,
                 mask=mask,
@@ -139,18 +108,29 @@ class RecordingLoss:
             )
             if reduction == "sum":
                 recording.terms.append(LossTerm(None, False, value))
+                return value
+            # `D`: the divisor Keras' `reduce_weighted_values` used.
+            values = ops.convert_to_tensor(values, dtype=loss.dtype)
+            dtype = values.dtype
+            data_dependent = sample_weight is not None or mask is not None
+            if reduction == "mean_with_sample_weight" and data_dependent:
+                weights = keras_loss.apply_mask(
+                    sample_weight, mask, dtype=dtype, reduction=reduction
+                )
+                _, weights = keras_loss.squeeze_or_expand_to_same_rank(
+                    values, ops.cast(weights, dtype)
+                )
+                normalizer = ops.sum(weights)
+            elif mask is not None:
+                # Keras weights valid entries by `total / valid` (0 if none).
+                normalizer = ops.sum(ops.cast(mask, dtype))
             else:
-                values = ops.convert_to_tensor(values, dtype=loss.dtype)
-                if sample_weight is not None:
-                    sample_weight = ops.convert_to_tensor(
-                        sample_weight, dtype=loss.dtype
-                    )
-                normalizer, data_dependent = _normalizer(
-                    values, sample_weight, mask, reduction
-                )
-                recording.terms.append(
-                    LossTerm(tf.stop_gradient(normalizer), data_dependent, value)
-                )
+                data_dependent = False
+                size = ops.convert_to_tensor(ops.shape(values), dtype="int32")
+                normalizer = ops.cast(ops.prod(size), dtype)
+            recording.terms.append(
+                LossTerm(tf.stop_gradient(normalizer), data_dependent, value)
+            )
         return value
 
 
