@@ -1,5 +1,6 @@
 """`BackupAndRestore`: resume a killed `fit()` exactly where it stopped."""
 
+import contextlib
 import json
 import numbers
 import os
@@ -27,10 +28,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training and resumes it exactly, mid-epoch and mid-window.
 
     Like `keras.callbacks.BackupAndRestore`, but a resumed `fit()` skips the
-    batches that the backup had seen instead of training them again, and
-    restores the pending window and the seed generators too: with the input
-    in the same order in every run (`shuffle=False`), it ends with the
-    weights of the uninterrupted run. See docs/semantics.md, "Saving and
+    batches the backup had seen and restores the pending window and the seed
+    generators: with the input in the same order in every run, it ends with
+    the uninterrupted run's weights. See docs/semantics.md, "Saving and
     resuming".
 
     Args:
@@ -181,7 +181,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         os.makedirs(folder)
         weights = os.path.join(folder, _WEIGHTS)
         self.model.save_weights(weights)
-        _fsync(weights)
+        with open(weights, "rb") as f:
+            os.fsync(f.fileno())
         position = {"epoch": epoch, "batches": batches}
         position["seed_generators"] = [
             np.asarray(v.numpy()).tolist() for v in self._seed_variables()
@@ -386,17 +387,9 @@ def _write_atomically(path, text):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    _fsync(os.path.dirname(path), required=False)
-
-
-def _fsync(path, required=True):
-    """Flushes `path` to disk; if not `required`, only where the system can."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # Not every system syncs a folder.
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
-        if required:
-            raise
