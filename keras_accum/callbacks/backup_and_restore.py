@@ -95,6 +95,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = int(save_freq) if every else save_freq
+        self._every_batches = every
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
         self._epoch = self._batches_in_epoch = self._resume_at = 0
@@ -153,8 +154,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_in_epoch = batch + 1
         if seen > 0:
             self._since_backup += seen
-            every = type(self.save_freq) is int
-            if every and self._since_backup >= self.save_freq:
+            if self._every_batches and self._since_backup >= self.save_freq:
                 self._backup(self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -176,8 +176,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _backup(self, epoch, batches):
         """Writes a complete backup, then points `latest` at it."""
         self._since_backup = 0
+        root = self.backup_dir
         name = f"backup-{epoch}-{batches}-{os.getpid()}-{time.time_ns()}"
-        folder = os.path.join(self.backup_dir, name)
+        folder = os.path.join(root, name)
         os.makedirs(folder)
         weights = os.path.join(folder, _WEIGHTS)
         self.model.save_weights(weights)
@@ -193,15 +194,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             position["global_seed_generator"] = state
         # Written last: a folder with a `position.json` is complete.
         _write_atomically(os.path.join(folder, _POSITION), json.dumps(position))
-        _write_atomically(os.path.join(self.backup_dir, _LATEST), name)
+        _write_atomically(os.path.join(root, _LATEST), name)
         keep = {name, self._previous if self.double_checkpoint else None}
         self._previous = name
         # Earlier backups, and any a killed process left half-written.
-        for entry in os.listdir(self.backup_dir):
+        for entry in os.listdir(root):
             if _FOLDER.fullmatch(entry) and entry not in keep:
-                shutil.rmtree(
-                    os.path.join(self.backup_dir, entry), ignore_errors=True
-                )
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
     def _restore(self):
         """Loads the newest intact backup; returns its (epoch, batches)."""
