@@ -1,10 +1,12 @@
 """`BackupAndRestore`: resume a killed `fit()` exactly where it stopped."""
 
+import contextlib
 import json
 import numbers
 import os
 import re
 import shutil
+import tempfile
 import time
 import warnings
 
@@ -18,59 +20,42 @@ _WEIGHTS = "model.weights.h5"
 _POSITION = "position.json"
 # `backup-{epoch}-{batches}-{pid}-{time_ns}`
 _FOLDER = re.compile(r"backup-(\d+)-(\d+)-(\d+)-(\d+)")
-# What a damaged or foreign backup file raises when it is read or loaded
-# (h5py: `OSError`; JSON and text decoding: `ValueError` subclasses).
+# What a damaged backup file raises when read or loaded (h5py: `OSError`).
 _DAMAGE = (OSError, ValueError, KeyError, TypeError)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training and resumes it exactly, mid-epoch and mid-window.
 
-    Like `keras.callbacks.BackupAndRestore`, a `fit()` that was interrupted
-    (an exception, a preempted machine, `SIGKILL`) and is started again with
-    the same command resumes from the last backup; unlike it, the batches
-    that the backup had already seen are skipped, not trained again, so the
-    run ends with the weights of the uninterrupted one.
-
-    A resume restores the weights, the optimizer, the pending window, the
-    seed generators' states (`Dropout` draws the uninterrupted run's masks)
-    and the position in the epoch; not metrics, nor the input: it is exact
-    when the input comes in the same order in every run
-    (`fit(..., shuffle=False)`, or a `tf.data` pipeline that does not
-    reshuffle between runs). A process killed while writing a backup
-    resumes from the previous one. See docs/semantics.md, "Saving and
+    Like `keras.callbacks.BackupAndRestore`, but a resumed `fit()` skips the
+    batches the backup had seen and restores the pending window and the seed
+    generators: with the input in the same order in every run, it ends with
+    the uninterrupted run's weights. See docs/semantics.md, "Saving and
     resuming".
 
     Args:
-        backup_dir: str or path, the folder for the backups. One training
-            run per folder; it is created at the start of `fit()`.
+        backup_dir: str or path, the folder for the backups of one training
+            run; it is created at the start of `fit()`.
         save_freq: `"epoch"` (default), to back up at the end of every
-            epoch; an int >= 1, to back up every `save_freq` batches (and at
-            the end of every epoch); or `False`, for no backups: the
-            callback only restores an existing one. A resume replays the
-            batches since the last backup, so any frequency gives the same
-            final weights.
-        double_checkpoint: bool. If `True`, the previous backup is kept
-            beside the newest one (twice the disk space), to restore if the
-            newest is damaged. Defaults to `False`.
+            epoch; an int >= 1, to back up every `save_freq` batches too; or
+            `False`, to only restore an existing backup.
+        double_checkpoint: bool. If `True`, the previous backup is kept too,
+            to restore if the newest is damaged. Defaults to `False`.
         delete_checkpoint: bool. If `True` (default) the folder is deleted
             when `fit()` ends normally.
 
     Raises:
         ValueError: for an invalid argument; at the start of `fit()`, if the
             model is not a `GradientAccumulationModel`, if `backup_dir`
-            cannot be written to, if the folder holds backups of which none
-            can be restored (each file that failed is named), or if the
-            backup is past the end of an epoch of this `fit()`.
+            cannot be written to, if no backup in it can be restored, or if
+            the backup is past the end of an epoch of this `fit()`.
 
     Example:
 
     ```python
     # `model`: a compiled `GradientAccumulationModel`. Run the same script
     # again after a crash: it goes on from the last backup.
-    backup = keras_accum.callbacks.BackupAndRestore(
-        "backups", save_freq=50, double_checkpoint=True
-    )
+    backup = keras_accum.callbacks.BackupAndRestore("backups", save_freq=50)
     model.fit(x, y, shuffle=False, epochs=10, callbacks=[backup])
     ```
     """
@@ -113,9 +98,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._every_batches = every
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
-        self._epoch = 0
-        self._batches_in_epoch = 0
-        self._resume_at = 0
+        self._epoch = self._batches_in_epoch = self._resume_at = 0
         self._since_backup = 0
         self._previous = None  # the folder `double_checkpoint` keeps
 
@@ -127,7 +110,24 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`keras.callbacks.BackupAndRestore`). Received: model of "
                 f"type {type(self.model).__name__}"
             )
-        self._check_backup_dir()
+        folder = self.backup_dir
+        if self.save_freq is not False:
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as error:
+                raise ValueError(
+                    "`backup_dir` must be a folder that this process can "
+                    f"write backups to; writing to '{folder}' failed "
+                    f"({type(error).__name__}: {error}). Received: "
+                    f"backup_dir={folder!r}"
+                ) from error
+        elif os.path.exists(folder) and not os.path.isdir(folder):
+            raise ValueError(
+                "`backup_dir` must be a folder, but it is a file. "
+                f"Received: backup_dir={folder!r}"
+            )
         self._previous = None
         position = self._restore()
         self._epoch, self._resume_at = position or (0, 0)
@@ -135,7 +135,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = (self.params or {}).get("steps")
         if steps and self._resume_at > steps:
             raise ValueError(
-                f"The backup in '{self.backup_dir}' was made after batch "
+                f"The backup in '{folder}' was made after batch "
                 f"{self._resume_at} of epoch {self._epoch}, but an epoch of "
                 f"this `fit()` has {steps} batches: the input is not the "
                 "one that was backed up."
@@ -149,15 +149,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._batches_in_epoch = epoch, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # `batch` is the index of the call's last step (several with
-        # `steps_per_execution`); Keras counts the skipped batches too.
+        # `batch` is the call's last step; Keras counts skipped batches too.
         seen = batch + 1 - max(self._batches_in_epoch, self._resume_at)
         self._batches_in_epoch = batch + 1
-        if seen <= 0:
-            return
-        self._since_backup += seen
-        if self._every_batches and self._since_backup >= self.save_freq:
-            self._backup(self._epoch, self._batches_in_epoch)
+        if seen > 0:
+            self._since_backup += seen
+            if self._every_batches and self._since_backup >= self.save_freq:
+                self._backup(self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         self._resume_at = 0
@@ -170,130 +168,107 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir)
 
-    def _check_backup_dir(self):
-        """Creates `backup_dir` and checks that files can be written in it."""
-        folder = self.backup_dir
-        if self.save_freq is False:
-            if os.path.exists(folder) and not os.path.isdir(folder):
-                raise ValueError(
-                    "`backup_dir` must be a folder, but it is a file. "
-                    f"Received: backup_dir={folder!r}"
-                )
-            return
-        probe = os.path.join(folder, f".write-test-{os.getpid()}")
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-        except OSError as error:
-            raise ValueError(
-                "`backup_dir` must be a folder that this process can write "
-                f"backups to; writing to '{folder}' failed "
-                f"({type(error).__name__}: {error}). Received: "
-                f"backup_dir={folder!r}"
-            ) from error
+    def _seed_variables(self):
+        """The `SeedGenerator` states: `model.variables` less weights."""
+        weights = {id(w) for w in self.model.weights}
+        return [v for v in self.model.variables if id(v) not in weights]
 
     def _backup(self, epoch, batches):
         """Writes a complete backup, then points `latest` at it."""
         self._since_backup = 0
-        os.makedirs(self.backup_dir, exist_ok=True)
+        root = self.backup_dir
         name = f"backup-{epoch}-{batches}-{os.getpid()}-{time.time_ns()}"
-        folder = os.path.join(self.backup_dir, name)
+        folder = os.path.join(root, name)
         os.makedirs(folder)
         weights = os.path.join(folder, _WEIGHTS)
         self.model.save_weights(weights)
-        _fsync(weights)
+        with open(weights, "rb") as f:
+            os.fsync(f.fileno())
         position = {"epoch": epoch, "batches": batches}
-        position.update(_seed_values(self.model))
+        position["seed_generators"] = [
+            np.asarray(v.numpy()).tolist() for v in self._seed_variables()
+        ]
+        generator = compat.global_seed_generator()
+        if generator is not None:
+            state = np.asarray(generator.state.numpy()).tolist()
+            position["global_seed_generator"] = state
         # Written last: a folder with a `position.json` is complete.
-        _write_atomically(
-            os.path.join(folder, _POSITION), json.dumps(position)
-        )
-        _fsync(folder, required=False)
-        _write_atomically(os.path.join(self.backup_dir, _LATEST), name)
-        _fsync(self.backup_dir, required=False)
-        keep = {name}
-        if self.double_checkpoint and self._previous:
-            keep.add(self._previous)
+        _write_atomically(os.path.join(folder, _POSITION), json.dumps(position))
+        _write_atomically(os.path.join(root, _LATEST), name)
+        keep = {name, self._previous if self.double_checkpoint else None}
         self._previous = name
         # Earlier backups, and any a killed process left half-written.
-        for entry in os.listdir(self.backup_dir):
+        for entry in os.listdir(root):
             if _FOLDER.fullmatch(entry) and entry not in keep:
-                shutil.rmtree(
-                    os.path.join(self.backup_dir, entry), ignore_errors=True
-                )
-
-    def _folders(self):
-        """The backup folders in `backup_dir`, newest first."""
-        found = [
-            entry
-            for entry in os.listdir(self.backup_dir)
-            if _FOLDER.fullmatch(entry)
-            and os.path.isdir(os.path.join(self.backup_dir, entry))
-        ]
-        return sorted(found, key=_order, reverse=True)
-
-    def _read_pointer(self, folders):
-        """(the folder `latest` names or None, what is wrong or None)."""
-        path = os.path.join(self.backup_dir, _LATEST)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return None, None
-        except _DAMAGE as error:
-            return None, (
-                f"Could not read the pointer file '{path}' "
-                f"({type(error).__name__}: {error})"
-            )
-        name = text.strip()
-        if not name:
-            return None, f"The pointer file '{path}' is empty"
-        if name not in folders:
-            return None, (
-                f"The pointer file '{path}' names no backup folder (it "
-                f"reads {text[:80]!r})"
-            )
-        return name, None
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
     def _restore(self):
         """Loads the newest intact backup; returns its (epoch, batches)."""
-        if not os.path.isdir(self.backup_dir):
+        root = self.backup_dir
+        if not os.path.isdir(root):
             return None
-        folders = self._folders()
+        folders = [
+            entry
+            for entry in os.listdir(root)
+            if _FOLDER.fullmatch(entry)
+            and os.path.isdir(os.path.join(root, entry))
+        ]
+        folders.sort(key=_order, reverse=True)
         complete = [
             entry
             for entry in folders
-            if os.path.exists(os.path.join(self.backup_dir, entry, _POSITION))
+            if os.path.exists(os.path.join(root, entry, _POSITION))
         ]
-        pointed, problem = self._read_pointer(folders)
-        if not pointed and problem is None:
+        path = os.path.join(root, _LATEST)
+        pointed, problems = None, []
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            if not text.strip():
+                problems.append(f"The pointer file '{path}' is empty")
+            elif text.strip() not in folders:
+                problems.append(
+                    f"The pointer file '{path}' names no backup folder (it "
+                    f"reads {text[:80]!r})"
+                )
+            else:
+                pointed = text.strip()
+        except FileNotFoundError:
             if not complete:
                 if folders:
                     warnings.warn(
-                        f"'{self.backup_dir}' holds only backups that were "
-                        "not completed (a process killed while writing its "
+                        f"'{root}' holds only backups that were not "
+                        "completed (a process killed while writing its "
                         "first one): training starts from the beginning.",
                         stacklevel=3,
                     )
                 return None
-            problem = (
-                "The pointer file "
-                f"'{os.path.join(self.backup_dir, _LATEST)}' is missing "
-                "although the folder holds backups"
+            problems.append(
+                f"The pointer file '{path}' is missing although the folder "
+                "holds backups"
             )
-        problems = [problem] if problem else []
+        except _DAMAGE as error:
+            problems.append(
+                f"Could not read the pointer file '{path}' "
+                f"({type(error).__name__}: {error})"
+            )
         # The backup that `latest` names first, then the others newest first.
         candidates = [pointed] if pointed else []
-        candidates += [entry for entry in complete if entry != pointed]
         error = None
-        for entry in candidates:
+        for entry in candidates + [e for e in complete if e != pointed]:
+            path = os.path.join(root, entry, _POSITION)
             try:
-                position = self._load(entry)
-            except _DamagedBackup as damaged:
-                problems.append(str(damaged))
-                error = damaged.error
+                position = _read_position(path)
+                path = os.path.join(root, entry, _WEIGHTS)
+                self._load_weights(path)
+                path = os.path.join(root, entry, _POSITION)
+                self._restore_seeds(position)
+            except _DAMAGE as damage:
+                problems.append(
+                    f"Could not restore the backup in '{path}' "
+                    f"({type(damage).__name__}: {damage})"
+                )
+                error = damage
                 continue
             if problems:
                 if not pointed:
@@ -304,11 +279,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                     which = "the complete backup"
                 warnings.warn(
                     f"{'; '.join(problems)}: restoring {which} "
-                    f"'{os.path.join(self.backup_dir, entry)}' instead.",
+                    f"'{os.path.join(root, entry)}' instead.",
                     stacklevel=3,
                 )
             self._previous = entry
-            return position
+            return position["epoch"], position["batches"]
         hint = (
             ""
             if self.double_checkpoint
@@ -316,50 +291,57 @@ class BackupAndRestore(keras.callbacks.Callback):
             "to fall back to)"
         )
         raise ValueError(
-            f"No backup in '{self.backup_dir}' can be restored. "
+            f"No backup in '{root}' can be restored. "
             f"{'. '.join(problems)}. To start training over, delete the "
-            f"folder '{self.backup_dir}'{hint}."
+            f"folder '{root}'{hint}."
         ) from error
 
-    def _load(self, entry):
-        """Restores the backup in folder `entry`; returns its position."""
-        position_path = os.path.join(self.backup_dir, entry, _POSITION)
-        weights_path = os.path.join(self.backup_dir, entry, _WEIGHTS)
-        try:
-            position = _read_position(position_path)
-        except _DAMAGE as error:
-            raise _DamagedBackup(position_path, error) from error
-        try:
-            # Assigns every variable, also after a damaged backup's load
-            # assigned some of them.
-            _load_all_weights(self.model, weights_path)
-        except _DAMAGE as error:
-            raise _DamagedBackup(weights_path, error) from error
-        try:
-            _restore_seeds(self.model, position)
-        except ValueError as error:
-            raise _DamagedBackup(position_path, error) from error
-        return position["epoch"], position["batches"]
+    def _load_weights(self, path):
+        """`load_weights(path)`, raising where Keras warns that it skipped."""
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built and self.model.built:
+            # As Keras' `BackupAndRestore`: the variables to load into.
+            optimizer.build(self.model.trainable_variables)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.model.load_weights(path)
+        for warning in caught:
+            if "Skipping variable loading" in str(warning.message):
+                raise ValueError(str(warning.message).strip())
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    def _restore_seeds(self, position):
+        """Assigns the seed generators' states that `position` holds."""
+        if "seed_generators" not in position:
+            return
+        variables = self._seed_variables()
+        saved = position["seed_generators"]
+        if len(saved) != len(variables):
+            raise ValueError(
+                f"it holds {len(saved)} seed generator states, but the model "
+                f"has {len(variables)} seed generators"
+            )
+        values = [np.asarray(s, v.dtype) for s, v in zip(saved, variables)]
+        for value, variable in zip(values, variables):
+            if value.shape != tuple(variable.shape):
+                raise ValueError(
+                    f"a seed generator state of shape {value.shape} does not "
+                    f"fit the model's `{variable.path}` of shape "
+                    f"{tuple(variable.shape)}"
+                )
+        for value, variable in zip(values, variables):
+            variable.assign(value)
+        state = position.get("global_seed_generator")
+        if state is not None:
+            state_variable = compat.global_seed_generator(create=True).state
+            state_variable.assign(np.asarray(state, state_variable.dtype))
 
 
 def _order(name):
     """A backup folder's (epoch, batches, time) from its name."""
     epoch, batches, _, time_ns = map(int, _FOLDER.fullmatch(name).groups())
     return epoch, batches, time_ns
-
-
-class _DamagedBackup(Exception):
-    def __init__(self, path, error):
-        super().__init__(
-            f"Could not restore the backup in '{path}' "
-            f"({type(error).__name__}: {error})"
-        )
-        self.error = error
-
-
-def _is_seed_state(value):
-    """A list of JSON integers (`true` and `false` load as `bool`)."""
-    return isinstance(value, list) and all(type(v) is int for v in value)
 
 
 def _read_position(path):
@@ -370,6 +352,10 @@ def _read_position(path):
         raise ValueError(
             f"expected a JSON object. Received: {type(position).__name__}"
         )
+
+    def ints(value):  # `true` and `false` load as `bool`
+        return isinstance(value, list) and all(type(v) is int for v in value)
+
     for key in ("epoch", "batches"):
         if key not in position:
             raise ValueError(f"`{key}` is missing")
@@ -379,13 +365,13 @@ def _read_position(path):
                 f"{key}={position[key]!r}"
             )
     states = position.get("seed_generators", [])
-    if not isinstance(states, list) or not all(map(_is_seed_state, states)):
+    if not isinstance(states, list) or not all(map(ints, states)):
         raise ValueError(
             "`seed_generators` must be a list of lists of integers. "
             f"Received: seed_generators={states!r}"
         )
     state = position.get("global_seed_generator")
-    if state is not None and not _is_seed_state(state):
+    if state is not None and not ints(state):
         raise ValueError(
             "`global_seed_generator` must be a list of integers or null. "
             f"Received: global_seed_generator={state!r}"
@@ -393,90 +379,16 @@ def _read_position(path):
     return position
 
 
-def _load_all_weights(model, path):
-    """`model.load_weights(path)`, raising where Keras warns that it skipped."""
-    optimizer = model.optimizer
-    if optimizer is not None and not optimizer.built and model.built:
-        # As Keras' `BackupAndRestore`: the variables to load into.
-        optimizer.build(model.trainable_variables)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.load_weights(path)
-    for warning in caught:
-        if "Skipping variable loading" in str(warning.message):
-            raise ValueError(str(warning.message).strip())
-    for warning in caught:
-        warnings.warn_explicit(
-            warning.message, warning.category, warning.filename, warning.lineno
-        )
-
-
-def _seed_states(model):
-    """The layers' `SeedGenerator` states: `model.variables` less weights."""
-    weights = {id(w) for w in model.weights}
-    return [v for v in model.variables if id(v) not in weights]
-
-
-def _seed_values(model):
-    """The seed generators' states, for `position.json`."""
-    states = [np.asarray(v.numpy()).tolist() for v in _seed_states(model)]
-    values = {"seed_generators": states}
-    generator = compat.global_seed_generator()
-    if generator is not None:
-        state = np.asarray(generator.state.numpy()).tolist()
-        values["global_seed_generator"] = state
-    return values
-
-
-def _restore_seeds(model, position):
-    """Assigns the seed generators' states that `position` holds, if any."""
-    if "seed_generators" not in position:
-        return
-    variables = _seed_states(model)
-    saved = position["seed_generators"]
-    if len(saved) != len(variables):
-        raise ValueError(
-            f"it holds {len(saved)} seed generator states, but the model "
-            f"has {len(variables)} seed generators"
-        )
-    values = [np.asarray(s, dtype=v.dtype) for s, v in zip(saved, variables)]
-    for value, variable in zip(values, variables):
-        if value.shape != tuple(variable.shape):
-            raise ValueError(
-                f"a seed generator state of shape {value.shape} does not "
-                f"fit the model's `{variable.path}` of shape "
-                f"{tuple(variable.shape)}"
-            )
-    for value, variable in zip(values, variables):
-        variable.assign(value)
-    state = position.get("global_seed_generator")
-    if state is not None:
-        generator = compat.global_seed_generator(create=True)
-        generator.state.assign(np.asarray(state, dtype=generator.state.dtype))
-
-
 def _write_atomically(path, text):
-    """Writes `text` to `path` by replacing it with a complete new file."""
-    temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
+    """Replaces `path` with a complete new file, then flushes its folder."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
-def _fsync(path, required=True):
-    """Flushes `path` to disk; if not `required`, only where the system can."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        if required:
-            raise
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        if required:
-            raise
-    finally:
-        os.close(fd)
+    os.replace(path + ".tmp", path)
+    with contextlib.suppress(OSError):  # Not every system syncs a folder.
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -10,9 +10,9 @@ from keras_accum.accumulator import MAX_STEPS
 class GradientAccumulationScheduler(keras.callbacks.Callback):
     """Sets `gradient_accumulation_steps` at the start of given epochs.
 
-    `{epoch: N}` sets N from that epoch (0-based) on, until the next key.
-    Epochs before the first key keep the N the model had when the scheduler
-    first started. The window in progress when N changes keeps its own N.
+    `{epoch: N}` sets N from that 0-based epoch on, until the next key;
+    epochs before the first key keep the N the model had when the scheduler
+    first started. The window in progress when N changes keeps its N.
 
     Args:
         schedule: dict from int epoch >= 0 to int N >= 1.
@@ -24,11 +24,9 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
     Example:
 
     ```python
-    # Effective batch 8 x 2, then 8 x 4 from epoch 2, 8 x 8 from epoch 4.
-    scheduler = keras_accum.callbacks.GradientAccumulationScheduler(
-        {0: 2, 2: 4, 4: 8}
-    )
-    model.fit(x, y, batch_size=8, epochs=6, callbacks=[scheduler])
+    # Updates of 8 x 2 rows, then of 8 x 4 rows from epoch 2.
+    scheduler = keras_accum.callbacks.GradientAccumulationScheduler({2: 4})
+    model.fit(x, y, batch_size=8, epochs=4, callbacks=[scheduler])
     ```
     """
 
@@ -37,20 +35,20 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
         if not isinstance(schedule, dict) or not schedule:
             raise ValueError(
                 "`schedule` must be a non-empty dict from epoch to "
-                f"`gradient_accumulation_steps`. Received: schedule={schedule!r}"
+                "`gradient_accumulation_steps`. Received: "
+                f"schedule={schedule!r}"
             )
         for epoch, steps in schedule.items():
             if not _is_int(epoch) or epoch < 0:
-                raise ValueError(
-                    "The keys of `schedule` must be integer epochs >= 0. "
-                    f"Received: schedule={schedule!r}"
+                what = "keys of `schedule` must be integer epochs >= 0"
+            elif not _is_int(steps) or not 1 <= steps <= MAX_STEPS:
+                what = (
+                    "values of `schedule` must be integers from 1 to "
+                    "2**63 - 1 (`gradient_accumulation_steps`)"
                 )
-            if not _is_int(steps) or not 1 <= steps <= MAX_STEPS:
-                raise ValueError(
-                    "The values of `schedule` must be integers from 1 to "
-                    "2**63 - 1 (`gradient_accumulation_steps`). Received: "
-                    f"schedule={schedule!r}"
-                )
+            else:
+                continue
+            raise ValueError(f"The {what}. Received: schedule={schedule!r}")
         self.schedule = {int(k): int(v) for k, v in sorted(schedule.items())}
         self._initial_steps = None
 
@@ -66,15 +64,12 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
 
     def steps_for_epoch(self, epoch):
         """int: the N that `schedule` gives for 0-based `epoch`."""
-        steps = self._initial_steps
-        for start, value in self.schedule.items():
-            if start <= epoch:
-                steps = value
-        return steps
+        starts = [start for start in self.schedule if start <= epoch]
+        return self.schedule[starts[-1]] if starts else self._initial_steps
 
     def on_epoch_begin(self, epoch, logs=None):
         steps = self.steps_for_epoch(epoch)
-        if steps is not None and steps != self.model.gradient_accumulation_steps:
+        if steps not in (None, self.model.gradient_accumulation_steps):
             self.model.gradient_accumulation_steps = steps
 
 
