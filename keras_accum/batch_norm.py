@@ -37,17 +37,12 @@ def combine_moments(a, b):
     """Chan et al.'s parallel combination: the (count, mean, M2) of the union
     of two parts given as (count, mean, M2), M2 the sum of squared deviations.
     """
-    count_a, mean_a, m2_a = a
-    count_b, mean_b, m2_b = b
+    (count_a, mean_a, m2_a), (count_b, mean_b, m2_b) = a, b
     count = count_a + count_b
     delta = mean_b - mean_a
     mean = mean_a + delta * tf.math.divide_no_nan(count_b, count)
-    m2 = (
-        m2_a
-        + m2_b
-        + tf.square(delta) * tf.math.divide_no_nan(count_a * count_b, count)
-    )
-    return count, mean, m2
+    weight = tf.math.divide_no_nan(count_a * count_b, count)
+    return count, mean, m2_a + m2_b + tf.square(delta) * weight
 
 
 class _CallGroup(tf.Module):
@@ -102,23 +97,19 @@ class _CallGroup(tf.Module):
         """`moving = moving * momentum + window * (1 - momentum)` where the
         window's count is positive."""
         has = count > 0
-        variance = tf.math.divide_no_nan(m2, count)
+        values = (mean, tf.math.divide_no_nan(m2, count))
         dtype = self.moving_dtype
-        layers = [call.layer for call in self.calls]
-        momenta = [layer.momentum for layer in layers]
+        momenta = [call.layer.momentum for call in self.calls]
         momentum = tf.constant(_per_channel(momenta, self.sizes), dtype)
         rest = [1.0 - m for m in momenta]
         rest = tf.constant(_per_channel(rest, self.sizes), dtype)
-        for name, value in (
-            ("moving_mean", mean),
-            ("moving_variance", variance),
-        ):
-            variables = [getattr(layer, name) for layer in layers]
+        for name, value in zip(("moving_mean", "moving_variance"), values):
+            variables = [getattr(call.layer, name) for call in self.calls]
             moving = _concat([_flat(v, dtype) for v in variables])
             value = tf.cast(value, dtype)
             updated = tf.where(has, moving * momentum + value * rest, moving)
             parts = [updated]
-            if len(layers) > 1:
+            if len(variables) > 1:
                 parts = tf.split(updated, self.sizes)
             for variable, part in zip(variables, parts):
                 if part.shape != variable.shape:
@@ -148,12 +139,10 @@ def _count(layer, inputs, mask):
     axes = compat.reduction_axes(layer)
     rank = inputs.shape.rank
     if rank is not None and len(axes) == rank - 1:
-        if inputs.shape[layer.axis] is not None:
-            return (
-                tf.size(inputs, out_type=tf.int64) // inputs.shape[layer.axis]
-            )
-    shape = tf.shape(inputs, out_type=tf.int64)
-    return tf.reduce_prod(tf.gather(shape, axes))
+        channels = inputs.shape[layer.axis]
+        if channels is not None:
+            return tf.size(inputs, out_type=tf.int64) // channels
+    return tf.reduce_prod(tf.gather(tf.shape(inputs, out_type=tf.int64), axes))
 
 
 def _replica_totals(distribution, groups):
@@ -185,10 +174,9 @@ class WindowBatchNormStatistics(tf.Module):
     """Updates BatchNormalization moving statistics once per window.
 
     Every trainable `keras.layers.BatchNormalization` of the model (nested
-    and `synchronized=True` ones too) moves its moving mean and variance once
-    per applied window, from the exact statistics of all the window's
-    samples and replicas; a skipped window leaves them unchanged. See
-    docs/semantics.md.
+    and `synchronized=True` ones too) moves its moving statistics once per
+    applied window, from the exact statistics of all the window's samples
+    and replicas; a skipped window leaves them unchanged.
 
     Args:
         enabled: bool, whether to window the moving statistics. If `False`
@@ -202,11 +190,8 @@ class WindowBatchNormStatistics(tf.Module):
     ```python
     statistics = WindowBatchNormStatistics()
     accumulator.add_window_end_listener(statistics)
-    with tf.GradientTape() as tape:
-        with statistics.record(model):
-            y_pred = model(x, training=True)
-        ...
-    accumulator.accumulate_and_maybe_apply(...)
+    with statistics.record(model):
+        y_pred = model(x, training=True)
     ```
     """
 
@@ -262,20 +247,16 @@ class WindowBatchNormStatistics(tf.Module):
         finally:
             self._local.recording = previous
             self._patch(layers, -1)
-        keys = [
-            (layer, index)
+        recorded = {
+            (layer, index): statistics
             for layer in layers
-            for index in range(len(recording.calls[id(layer)]))
-        ]
-        if not keys:
+            for index, statistics in enumerate(recording.calls[id(layer)])
+        }
+        if not recorded:
             return
-        statistics = [recording.calls[id(layer)][i] for layer, i in keys]
-        recorded = dict(zip(self._ensure_calls(keys), statistics))
-        groups = [
-            group
-            for group in self._groups
-            if any(call in recorded for call in group.calls)
-        ]
+        calls = self._ensure_calls(recorded)
+        recorded = dict(zip(calls, recorded.values()))
+        groups = [g for g in self._groups if recorded.keys() & set(g.calls)]
         flat = [group.flatten(recorded) for group in groups]
         # A micro-batch whose statistics are not all finite adds nothing.
         finite = [tf.math.is_finite(v) for values in flat for v in values[1:]]
@@ -339,8 +320,8 @@ class WindowBatchNormStatistics(tf.Module):
         return []
 
     def _ensure_calls(self, keys):
-        """The `_Call`s of (layer, call index) pairs; those missing are made
-        in new groups, one per (call index, moving dtype)."""
+        """The `_Call`s of (layer, call index) pairs; new groups, one per
+        (call index, moving dtype), for those missing."""
         with self._lock:
             missing = {}
             for layer, index in keys:
@@ -358,51 +339,49 @@ class WindowBatchNormStatistics(tf.Module):
             return [self._calls_by_key[(id(l), i)] for l, i in keys]
 
     def _patch(self, layers, users):
-        """Adds `users` to the layers' patch counts (shared by the threads),
-        making a patch first and removing it at 0."""
+        """Adds `users` to the layers' patches (shared by the threads), made
+        for the first and removed after the last."""
         with self._lock:
             for layer in layers:
                 patch = self._patches.get(id(layer))
                 if patch is None:
-                    patch = self._patches[id(layer)] = compat.MomentsPatch(
-                        layer
+                    patch = compat.MomentsPatch(layer)
+                    moments = compat.moments(layer)
+                    patch.install_moments(
+                        functools.partial(self._moments, layer, moments)
                     )
-                    patch.install_moments(self._recording_moments(layer))
+                    self._patches[id(layer)] = patch
                 patch.users += users
                 if patch.users == 0:
                     patch.remove()
                     del self._patches[id(layer)]
 
-    def _recording_moments(self, layer):
-        """The layer's moments, recording those of this thread's recording."""
-        original = compat.moments(layer)
+    def _moments(self, layer, moments, inputs, mask):
+        """`moments(inputs, mask)`, recorded if this thread's recording wants
+        them; the layer's assignment of its moving statistics then is not."""
+        recording = getattr(self._local, "recording", None)
+        wanted = recording is not None and recording.wants(layer, inputs)
+        if recording is not None:
+            recording.suppress[id(layer)] = wanted
+        mean, variance = moments(inputs, mask)
+        if wanted:
+            count = _count(layer, inputs, mask)
+            recording.calls[id(layer)].append((count, mean, variance))
+            with self._lock:
+                patch = self._patches[id(layer)]
+                patch.install_assign(self._suppressed_assign)
+        return mean, variance
 
-        def moments(inputs, mask):
-            recording = getattr(self._local, "recording", None)
-            wanted = recording is not None and recording.wants(layer, inputs)
-            if recording is not None:
-                recording.suppress[id(layer)] = wanted
-            mean, variance = original(inputs, mask)
-            if wanted:
-                count = _count(layer, inputs, mask)
-                recording.calls[id(layer)].append((count, mean, variance))
-                with self._lock:  # then the layer assigns: not this time
-                    patch = self._patches[id(layer)]
-                    patch.install_assign(self._suppressed_assign)
-            return mean, variance
+    def _suppressed_assign(self, layer, assign):
+        """`assign`, a no-op right after a recorded call."""
 
-        return moments
-
-    def _suppressed_assign(self, layer, original):
-        """`variable.assign`, a no-op right after a recorded call."""
-
-        def assign(value, *args, **kwargs):
+        def suppressed(value, *args, **kwargs):
             recording = getattr(self._local, "recording", None)
             if recording is not None and recording.suppresses(layer):
                 return value
-            return original(value, *args, **kwargs)
+            return assign(value, *args, **kwargs)
 
-        return assign
+        return suppressed
 
 
 class _ForwardRecording:
