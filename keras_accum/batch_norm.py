@@ -65,15 +65,14 @@ class _CallGroup(tf.Module):
                 setattr(self, field, state_variable(zeros, f"{name}_{field}"))
 
     def flatten(self, recorded):
-        """Flat (count, mean, variance) of `recorded` (`_Call` -> its three);
-        a call not in it counts 0."""
+        """Flat (count, mean, variance) of `recorded`, by (layer, index)."""
         counts, means, variances = [], [], []
-        for call in self.calls:
-            if call in recorded:
-                count, mean, variance = recorded[call]
+        for layer, index, size in self.calls:
+            if (layer, index) in recorded:
+                count, mean, variance = recorded[layer, index]
             else:
                 count = tf.zeros((), tf.int64)
-                mean = variance = tf.zeros([call.size], self.dtype)
+                mean = variance = tf.zeros([size], self.dtype)
             counts.append(count)
             means.append(_flat(mean, self.dtype))
             variances.append(_flat(variance, self.dtype))
@@ -204,8 +203,7 @@ class WindowBatchNormStatistics(tf.Module):
         super().__init__(name="window_batch_norm")
         self.enabled = enabled
         self._groups = []  # tracked (`tf.train.Checkpoint`); the rest is not
-        object.__setattr__(self, "_calls_by_key", {})  # (id, index) -> _Call
-        object.__setattr__(self, "_patches", {})  # id -> compat.MomentsPatch
+        object.__setattr__(self, "_patches", {})  # layer -> MomentsPatch
         object.__setattr__(self, "_pending_state", {})
         self._local = threading.local()  # `.recording`: this thread's
         self._lock = threading.Lock()
@@ -213,7 +211,7 @@ class WindowBatchNormStatistics(tf.Module):
     @property
     def calls(self):
         """The per-(layer, call) accumulators created so far."""
-        return list(self._calls_by_key.values())
+        return [call for group in self._groups for call in group.calls]
 
     def build(self, model):
         """Creates the window's variables for one call of each layer.
@@ -250,13 +248,16 @@ class WindowBatchNormStatistics(tf.Module):
         recorded = {
             (layer, index): statistics
             for layer in layers
-            for index, statistics in enumerate(recording.calls[id(layer)])
+            for index, statistics in enumerate(recording.calls[layer])
         }
         if not recorded:
             return
-        calls = self._ensure_calls(recorded)
-        recorded = dict(zip(calls, recorded.values()))
-        groups = [g for g in self._groups if recorded.keys() & set(g.calls)]
+        self._ensure_calls(recorded)
+        groups = [
+            group
+            for group in self._groups
+            if any((c.layer, c.index) in recorded for c in group.calls)
+        ]
         flat = [group.flatten(recorded) for group in groups]
         # A micro-batch whose statistics are not all finite adds nothing.
         finite = [tf.math.is_finite(v) for values in flat for v in values[1:]]
@@ -320,41 +321,38 @@ class WindowBatchNormStatistics(tf.Module):
         return []
 
     def _ensure_calls(self, keys):
-        """The `_Call`s of (layer, call index) pairs; new groups, one per
-        (call index, moving dtype), for those missing."""
+        """Groups, one per (call index, moving dtype), the (layer, call index)
+        pairs not held yet."""
         with self._lock:
+            held = {(call.layer, call.index) for call in self.calls}
             missing = {}
             for layer, index in keys:
-                call = self._calls_by_key.get((id(layer), index))
-                if call is None or call.layer is not layer:
+                if (layer, index) not in held:
                     kind = (index, tf.as_dtype(layer.moving_mean.dtype))
                     missing.setdefault(kind, []).append((layer, index))
             for (_, dtype), group_keys in missing.items():
                 name = f"window_batch_norm_{len(self._groups)}"
                 self._groups.append(_CallGroup(group_keys, dtype, name))
-                for call in self._groups[-1].calls:
-                    self._calls_by_key[(id(call.layer), call.index)] = call
             if missing and self._pending_state:
                 self.restore(self._pending_state)
-            return [self._calls_by_key[(id(l), i)] for l, i in keys]
 
     def _patch(self, layers, users):
         """Adds `users` to the layers' patches (shared by the threads), made
         for the first and removed after the last."""
         with self._lock:
             for layer in layers:
-                patch = self._patches.get(id(layer))
+                patch = self._patches.get(layer)
                 if patch is None:
                     patch = compat.MomentsPatch(layer)
                     moments = compat.moments(layer)
                     patch.install_moments(
                         functools.partial(self._moments, layer, moments)
                     )
-                    self._patches[id(layer)] = patch
+                    self._patches[layer] = patch
                 patch.users += users
                 if patch.users == 0:
                     patch.remove()
-                    del self._patches[id(layer)]
+                    del self._patches[layer]
 
     def _moments(self, layer, moments, inputs, mask):
         """`moments(inputs, mask)`, recorded if this thread's recording wants
@@ -362,13 +360,13 @@ class WindowBatchNormStatistics(tf.Module):
         recording = getattr(self._local, "recording", None)
         wanted = recording is not None and recording.wants(layer, inputs)
         if recording is not None:
-            recording.suppress[id(layer)] = wanted
+            recording.suppress[layer] = wanted
         mean, variance = moments(inputs, mask)
         if wanted:
             count = _count(layer, inputs, mask)
-            recording.calls[id(layer)].append((count, mean, variance))
+            recording.calls[layer].append((count, mean, variance))
             with self._lock:
-                patch = self._patches[id(layer)]
+                patch = self._patches[layer]
                 patch.install_assign(self._suppressed_assign)
         return mean, variance
 
@@ -390,8 +388,8 @@ class _ForwardRecording:
     def __init__(self, model, layers):
         self.model = model
         self.graph = current_graph()
-        self.calls = {id(layer): [] for layer in layers}
-        self.suppress = {}  # id(layer) -> whether its last call was recorded
+        self.calls = {layer: [] for layer in layers}
+        self.suppress = {}  # layer -> whether its last call was recorded
 
     @functools.cached_property
     def _has_trainable_weights(self):
@@ -401,9 +399,9 @@ class _ForwardRecording:
         return (
             tf.is_tensor(inputs)
             and current_graph() is self.graph
-            and id(layer) in self.calls
+            and layer in self.calls
             and self._has_trainable_weights
         )
 
     def suppresses(self, layer):
-        return self.suppress.get(id(layer)) and current_graph() is self.graph
+        return self.suppress.get(layer) and current_graph() is self.graph
