@@ -35,8 +35,7 @@ def window_batch_norm_layers(model):
 
 def combine_moments(a, b):
     """Chan et al.'s parallel combination: the (count, mean, M2) of the union
-    of two parts given as (count, mean, M2), M2 the sum of squared deviations.
-    """
+    of two parts' (count, mean, M2), M2 the sum of squared deviations."""
     (count_a, mean_a, m2_a), (count_b, mean_b, m2_b) = a, b
     count = count_a + count_b
     delta = mean_b - mean_a
@@ -93,8 +92,7 @@ class _CallGroup(tf.Module):
             getattr(self, field).assign(tf.zeros_like(getattr(self, field)))
 
     def update_moving(self, count, mean, m2):
-        """`moving = moving * momentum + window * (1 - momentum)` where the
-        window's count is positive."""
+        """`moving * momentum + window * (1 - momentum)` where counted."""
         has = count > 0
         values = (mean, tf.math.divide_no_nan(m2, count))
         dtype = self.moving_dtype
@@ -321,8 +319,7 @@ class WindowBatchNormStatistics(tf.Module):
         return []
 
     def _ensure_calls(self, keys):
-        """Groups, one per (call index, moving dtype), the (layer, call index)
-        pairs not held yet."""
+        """Groups the (layer, call index) pairs not held yet by kind."""
         with self._lock:
             held = {(call.layer, call.index) for call in self.calls}
             missing = {}
@@ -337,8 +334,7 @@ class WindowBatchNormStatistics(tf.Module):
                 self.restore(self._pending_state)
 
     def _patch(self, layers, users):
-        """Adds `users` to the layers' patches (shared by the threads), made
-        for the first and removed after the last."""
+        """Adds `users` to the counts of the layers' shared patches."""
         with self._lock:
             for layer in layers:
                 patch = self._patches.get(layer)
@@ -355,8 +351,7 @@ class WindowBatchNormStatistics(tf.Module):
                     del self._patches[layer]
 
     def _moments(self, layer, moments, inputs, mask):
-        """`moments(inputs, mask)`, recorded if this thread's recording wants
-        them; the layer's assignment of its moving statistics then is not."""
+        """`moments(inputs, mask)`, recorded (and Keras' update then not)."""
         recording = getattr(self._local, "recording", None)
         wanted = recording is not None and recording.wants(layer, inputs)
         if recording is not None:
