@@ -24,13 +24,9 @@ def load(parts, store, replicas):
     """Restores each part (`restore(values)`) from `store`, on `replicas`
     replicas; returns the store's entries that are Keras' own."""
     own = {k: store[k] for k in store.keys() if not k.startswith(_PREFIX)}
-    saved = [
-        key[len(_PREFIX) :].split(":") + [key]
-        for key in store.keys()
-        if key.startswith(_PREFIX)
-    ]
+    saved = [k.split(":") + [k] for k in store.keys() if k.startswith(_PREFIX)]
     values = {}
-    for part, name, _, key in sorted(saved, key=lambda k: int(k[2])):
+    for _, part, name, _, key in sorted(saved, key=lambda k: int(k[3])):
         per_replica = values.setdefault(part, {}).setdefault(name, [])
         per_replica.append(np.asarray(store[key]))
     values = _to_replicas(values, replicas)
