@@ -203,7 +203,7 @@ class WindowBatchNormStatistics(tf.Module):
         self._groups = []  # tracked (`tf.train.Checkpoint`); the rest is not
         object.__setattr__(self, "_patches", {})  # layer -> MomentsPatch
         object.__setattr__(self, "_pending_state", {})
-        self._local = threading.local()  # `.recording`: this thread's
+        self._local = threading.local()  # `.recording`, one per thread
         self._lock = threading.Lock()
 
     @property
