@@ -23,22 +23,12 @@ def save(parts, store):
 def load(parts, store, replicas):
     """Restores each part (`restore(values)`) from `store`, on `replicas`
     replicas; returns the store's entries that are Keras' own."""
-    own, saved = {}, {}
-    for key in store.keys():
-        if key.startswith(_PREFIX):
-            part, name, replica = key[len(_PREFIX) :].split(":")
-            saved.setdefault(part, {}).setdefault(name, {})[int(replica)] = (
-                np.asarray(store[key])
-            )
-        else:
-            own[key] = store[key]
-    values = {
-        part: {
-            name: [per_replica[r] for r in sorted(per_replica)]
-            for name, per_replica in names.items()
-        }
-        for part, names in saved.items()
-    }
+    own = {k: store[k] for k in store.keys() if not k.startswith(_PREFIX)}
+    saved = [k.split(":") + [k] for k in store.keys() if k.startswith(_PREFIX)]
+    values = {}
+    for _, part, name, _, key in sorted(saved, key=lambda k: int(k[3])):
+        per_replica = values.setdefault(part, {}).setdefault(name, [])
+        per_replica.append(np.asarray(store[key]))
     values = _to_replicas(values, replicas)
     for part, obj in parts.items():
         obj.restore(values.get(part, {}))
@@ -52,14 +42,11 @@ def _to_replicas(values, replicas):
     saved = len(accumulator.get("micro_step", [None]))
     if saved == replicas:
         return values
-    merged = {"accumulator": {}, "batch_norm": {}}
-    for name, per_replica in accumulator.items():
-        merged["accumulator"][name] = [per_replica[0]] * replicas
+    merged = {name: [v[0]] * replicas for name, v in accumulator.items()}
     pending = int(accumulator.get("micro_step", [0])[0])
     if not pending:
-        return merged
-    accumulated = [int(a) for a in accumulator["added_micro_batches"]]
-    if any(a != pending for a in accumulated):
+        return {"accumulator": merged}
+    if any(int(a) != pending for a in accumulator["added_micro_batches"]):
         warnings.warn(
             "The saved window was accumulated on "
             f"{saved} replicas and dropped non-finite micro-batches; it "
@@ -67,26 +54,21 @@ def _to_replicas(values, replicas):
             stacklevel=3,
         )
         for name in ("micro_step", "added_micro_batches", "steps_in_window"):
-            merged["accumulator"][name] = [np.zeros((), np.int64)] * replicas
-        return merged
+            merged[name] = [np.zeros((), np.int64)] * replicas
+        return {"accumulator": merged}
     for name, per_replica in accumulator.items():
         if name == "normalizer_sum" or name.startswith("buffer_"):
-            total = np.sum(per_replica, axis=0)
-            merged["accumulator"][name] = _on_first(total, replicas)
-    statistics = values.get("batch_norm", {})
+            merged[name] = _on_first(np.sum(per_replica, axis=0), replicas)
+    statistics, batch_norm = values.get("batch_norm", {}), {}
     for name in statistics:
-        if not name.endswith("_count"):
-            continue
-        group = name[: -len("_count")]
-        parts = zip(
-            *(statistics[group + field] for field in ("_count", "_mean", "_m2"))
-        )
-        combined = functools.reduce(combine_moments, parts)
-        for field, value in zip(("count", "mean", "m2"), combined):
-            merged["batch_norm"][f"{group}_{field}"] = _on_first(
-                np.asarray(value), replicas
-            )
-    return merged
+        if name.endswith("_count"):
+            group = name.removesuffix("count")
+            fields = [group + field for field in ("count", "mean", "m2")]
+            parts = zip(*(statistics[field] for field in fields))
+            combined = functools.reduce(combine_moments, parts)
+            for field, value in zip(fields, combined):
+                batch_norm[field] = _on_first(np.asarray(value), replicas)
+    return {"accumulator": merged, "batch_norm": batch_norm}
 
 
 def _on_first(value, replicas):
