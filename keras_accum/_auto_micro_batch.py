@@ -1,6 +1,4 @@
-"""`micro_batch_size="auto"`: the largest micro-batch that fits, per input
-shape, and a train step that runs out of memory rolled back and trained
-again with half the micro-batch (docs/design.md, "Training in small memory")."""
+"""`micro_batch_size="auto"` (docs/design.md, "Training in small memory")."""
 
 import contextlib
 import gc
@@ -14,10 +12,7 @@ import tensorflow as tf
 from keras_accum._tf_utils import components
 
 _MIB = 2**20
-
-
-def _mib(value):
-    return f"{value / _MIB:,.0f} MiB"
+_OOM = (tf.errors.ResourceExhaustedError, tf.errors.InvalidArgumentError)
 
 
 class DeviceMemory:
@@ -25,71 +20,51 @@ class DeviceMemory:
 
     def __init__(self):
         gpus = tf.config.list_physical_devices("GPU")
+        self.device = "GPU:0" if gpus else "CPU:0"
         self.limit = None
         if gpus:
-            self.device = "GPU:0"
             config = tf.config.get_logical_device_configuration(gpus[0])
             if config and config[0].memory_limit:
                 self.limit = config[0].memory_limit * _MIB
         else:
-            self.device = "CPU:0"
             bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower()
             limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
             if bfc in ("true", "1") and limit.isdigit():
                 self.limit = int(limit) * _MIB
-
-    @property
-    def crashes_at_limit(self):
-        """Whether reaching the limit can end the process instead of raising
-        `ResourceExhaustedError`: on a CPU with a limit, XLA's runtime
-        aborts, and a graph constant that cannot be allocated crashes it."""
-        return self.device == "CPU:0" and self.limit is not None
+        cpu = self.device == "CPU:0"
+        # Whether reaching the limit can end the process instead of raising.
+        self.crashes_at_limit = cpu and self.limit is not None
+        self.unlimited = cpu and self.limit is None
 
     @contextlib.contextmanager
     def raising_at_limit(self):
-        """A block whose functions raise at the limit rather than crash.
-
-        Grappler's constant folding makes graph constants of some tensors of
-        a micro-batch's shape (in BatchNormalization's gradients), which
-        TensorFlow (2.21) fails to allocate with a segmentation fault at a
-        CPU's limit; where `crashes_at_limit`, the block's functions are
-        optimized without it (docs/design.md, "Training in small memory").
-        """
+        """A block whose functions raise at the limit rather than crash."""
         if not self.crashes_at_limit:
             yield
             return
         options = tf.config.optimizer
-        before = options.get_experimental_options().get("constant_folding")
+        before = options.get_experimental_options()
         options.set_experimental_options({"constant_folding": False})
         try:
             yield
         finally:
-            restored = True if before is None else before
+            restored = before.get("constant_folding", True)
             options.set_experimental_options({"constant_folding": restored})
 
-    @property
-    def unlimited(self):
-        """Whether nothing but the host's memory limits a CPU's tensors."""
-        return self.device == "CPU:0" and self.limit is None
-
-    def describe(self):
+    def describe(self, unlimited="memory"):
+        """The limit (`unlimited` on a CPU without one), then the peak since
+        `reset_peak()` if known."""
+        text = "the GPU's memory" if self.device != "CPU:0" else unlimited
         if self.limit is not None:
-            return _mib(self.limit)
-        return "the GPU's memory" if self.device != "CPU:0" else "memory"
+            text = f"{self.limit / _MIB:,.0f} MiB"
+        with contextlib.suppress(ValueError, RuntimeError):  # no statistics
+            peak = tf.config.experimental.get_memory_info(self.device)["peak"]
+            text += f" (peak {peak / _MIB:,.0f} MiB)" if peak else ""
+        return text
 
     def reset_peak(self):
-        try:
+        with contextlib.suppress(ValueError, RuntimeError):
             tf.config.experimental.reset_memory_stats(self.device)
-        except (ValueError, RuntimeError):  # no allocator statistics
-            pass
-
-    def peak(self):
-        """int bytes, the peak since `reset_peak()`; `None` if unknown."""
-        try:
-            peak = tf.config.experimental.get_memory_info(self.device)["peak"]
-        except (ValueError, RuntimeError):
-            return None
-        return peak or None
 
     def check(self, jit_compile=False):
         """Warns where "auto" cannot find a limit, or may crash at one."""
@@ -110,7 +85,7 @@ class DeviceMemory:
                 "TF_CPU_BFC_MEM_LIMIT_IN_MB before TensorFlow starts.",
                 stacklevel=3,
             )
-        elif self.device == "CPU:0" and (
+        elif self.crashes_at_limit and (
             os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0"
         ):
             warnings.warn(
@@ -120,71 +95,6 @@ class DeviceMemory:
                 "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts.",
                 stacklevel=3,
             )
-
-
-class StepRollback:
-    """What a train step writes before its update (a test step: the
-    metrics), saved and put back (docs/design.md, "Training in small
-    memory")."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def _variables(self, kind, with_buffers):
-        model = self.model
-        if kind != "train":
-            variables = model.metrics_variables if kind == "test" else []
-            return [c for v in variables for c in components(_value(v))]
-        accumulator = model.gradient_accumulator
-        variables = [
-            v
-            for name, v in accumulator.state().items()
-            if with_buffers or not name.startswith("buffer_")
-        ]
-        variables += list(model.window_batch_norm_statistics.state().values())
-        variables += list(model.non_trainable_variables)
-        variables += list(model.metrics_variables)
-        optimizer = model.optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            variables += [optimizer.dynamic_scale, optimizer.step_counter]
-        return [c for v in variables for c in components(_value(v))]
-
-    def take(self, kind):
-        """The values to restore if the step of `kind` fails."""
-        pending = kind == "train" and (
-            int(self.model.gradient_accumulator.micro_step.numpy()) > 0
-        )
-        return {
-            id(c): (c, tf.identity(c.read_value()))
-            for c in self._variables(kind, with_buffers=pending)
-        }
-
-    def restore(self, saved, kind):
-        """Puts `take()`'s values back; zeroes variables made since then."""
-        for c in self._variables(kind, with_buffers=True):
-            if id(c) in saved:
-                c.assign(saved[id(c)][1])
-            elif not c.name.startswith("buffer_"):
-                c.assign(tf.zeros_like(c))
-
-
-def _value(variable):
-    """The backend variable of a `keras.Variable` (else itself)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _tensors(data):
-    """The first replica's tensors of `data`."""
-    return [components(t)[0] for t in keras.tree.flatten(data) if t is not None]
-
-
-def _signature(data):
-    """The input's shapes and dtypes per row."""
-    return tuple((tuple(t.shape[1:]), t.dtype.name) for t in _tensors(data))
-
-
-def _row_elements(signature):
-    return sum(math.prod(shape) for shape, _ in signature) or 1
 
 
 # Per kind of step: what its chosen size is said of, and how it is said to
@@ -200,28 +110,23 @@ _SAID = {
 
 
 class AutoMicroBatch:
-    """Chooses the micro-batch of `micro_batch_size="auto"` per input
-    signature, for training, evaluation and prediction each, and recovers
-    a step that runs out of memory."""
+    """Chooses the micro-batch of `micro_batch_size="auto"` per kind of step
+    and input signature, and recovers a step that runs out of memory."""
 
     def __init__(self, model):
         self.model = model
         self.memory = DeviceMemory()
-        self.rollback = StepRollback(model)
         self.verbose = 0
         self.size = None
+        self._checked = False
+        self.reset()
+
+    def reset(self):
+        """Forgets the traced functions and the sizes (after a retrace)."""
         # Per kind: signature -> [size to try, smallest that failed].
         self._sizes = {"train": {}, "test": {}, "predict": {}}
         self._functions = {}  # (kind, size) -> Keras' function
         self._said = {}  # (kind, signature) -> the size last reported
-        self._checked = False
-
-    def reset(self):
-        """Forgets the traced functions and the sizes (after a retrace)."""
-        for sizes in self._sizes.values():
-            sizes.clear()
-        self._functions.clear()
-        self._said.clear()
 
     def function(self, kind, make_function):
         """A `kind` (train, test, predict) function as Keras calls it, from
@@ -230,32 +135,51 @@ class AutoMicroBatch:
         if not self._checked:
             self._checked = True
             self.memory.check(self.model.jit_compile)
-        if kind == "predict":
 
-            def predict(data):  # a list of batches
-                outputs = [
-                    self._run(kind, batch, make_function) for batch in data
-                ]
-                if len(outputs) == 1:
-                    return outputs[0]
-                return keras.tree.map_structure(
-                    lambda *parts: tf.concat(parts, 0), *outputs
+        def run(data):  # an iterator (to predict: a list of batches)
+            if kind != "predict":  # taken out before training, to retrain
+                iterator, data = data, []
+                get = getattr(iterator, "get_next", None) or (
+                    lambda: next(iterator)
                 )
-
-            return predict
-
-        def run(iterator):
-            logs = None
-            for data in _fetch(iterator, self.model.steps_per_execution):
-                logs = self._run(kind, data, make_function)
-            return logs
+                while len(data) < self.model.steps_per_execution:
+                    try:
+                        data.append(get())
+                    except (StopIteration, tf.errors.OutOfRangeError):
+                        if not data:
+                            raise
+                        break
+            outputs = [self._run(kind, batch, make_function) for batch in data]
+            if kind != "predict" or len(outputs) == 1:
+                return outputs[-1]
+            return keras.tree.map_structure(
+                lambda *parts: tf.concat(parts, 0), *outputs
+            )
 
         return run
 
-    def _function(self, kind, size, make_function):
-        if (kind, size) not in self._functions:
-            self._functions[kind, size] = make_function(size)
-        return self._functions[kind, size]
+    def _variables(self, kind, with_buffers):
+        """What a step of `kind` writes before its update."""
+        model = self.model
+        variables = model.metrics_variables if kind == "test" else []
+        if kind == "train":
+            variables = [
+                v
+                for name, v in model.gradient_accumulator.state().items()
+                if with_buffers or not name.startswith("buffer_")
+            ]
+            statistics = model.window_batch_norm_statistics.state()
+            variables += list(statistics.values())
+            variables += list(model.non_trainable_variables)
+            variables += list(model.metrics_variables)
+            optimizer = model.optimizer
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                variables += [optimizer.dynamic_scale, optimizer.step_counter]
+        return [
+            c
+            for v in variables
+            for c in components(v.value if isinstance(v, keras.Variable) else v)
+        ]
 
     def _first_size(self, kind, signature, rows):
         trained = self._sizes["train"]
@@ -265,76 +189,85 @@ class AutoMicroBatch:
         if not known:
             return rows
         last, (size, _) = next(reversed(known.items()))
-        scaled = size * _row_elements(last) / _row_elements(signature)
+        elements = [
+            sum(math.prod(shape) for shape, _ in s) or 1
+            for s in (last, signature)
+        ]
+        scaled = size * elements[0] / elements[1]
         return max(1, min(rows, 2 ** int(math.log2(max(scaled, 1)))))
 
     def _run(self, kind, data, make_function):
-        signature = _signature(data)
-        rows = int(_tensors(data)[0].shape[0])
+        tensors = [
+            components(t)[0] for t in keras.tree.flatten(data) if t is not None
+        ]
+        signature = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tensors)
+        shape = tuple(tensors[0].shape)
+        rows = int(shape[0])
         sizes = self._sizes[kind]
         if signature not in sizes:
             sizes[signature] = [self._first_size(kind, signature, rows), None]
         state = sizes[signature]
         size = min(state[0], rows)
-        failed = False
         while True:
-            saved = self.rollback.take(kind)
+            pending = kind == "train" and (
+                int(self.model.gradient_accumulator.micro_step.numpy()) > 0
+            )
+            saved = {
+                id(c): (c, tf.identity(c.read_value()))
+                for c in self._variables(kind, with_buffers=pending)
+            }
             self.memory.reset_peak()
-            function = self._function(kind, size, make_function)
+            if (kind, size) not in self._functions:
+                self._functions[kind, size] = make_function(size)
             try:
                 with self.memory.raising_at_limit():
-                    if kind == "predict":
-                        result = function([data])
-                    else:
-                        result = function(iter([data]))
+                    result = self._functions[kind, size](
+                        [data] if kind == "predict" else iter([data])
+                    )
                 break
-            except (tf.errors.ResourceExhaustedError,
-                    tf.errors.InvalidArgumentError) as error:
-                if not _out_of_memory(error):
+            except _OOM as error:
+                # A failed allocation, also of a traced constant.
+                parse = "Cannot parse tensor from proto" in str(error.message)
+                if not (parse or isinstance(error, _OOM[0])):
                     raise
-                self.rollback.restore(saved, kind)
+                for c in self._variables(kind, with_buffers=True):
+                    if id(c) in saved:
+                        c.assign(saved[id(c)][1])
+                    elif not c.name.startswith("buffer_"):
+                        c.assign(tf.zeros_like(c))  # made by the failed trace
                 # The failed size's function holds memory (constants).
-                del function
                 self._functions.pop((kind, size), None)
                 gc.collect()
                 state[1] = size if state[1] is None else min(state[1], size)
-                size = self._halved(kind, size, rows, data, error)
-                failed = True
+                if size <= 1:
+                    raise tf.errors.ResourceExhaustedError(
+                        None,
+                        None,
+                        "Not even one row of the batch fits: a micro-batch of "
+                        f"1 row of input shape {(1,) + shape[1:]} (the batch: "
+                        f"{shape}) ran out of {self.memory.describe()}. Use "
+                        "smaller inputs, a smaller model, mixed precision or "
+                        "a device with more memory. The error was: "
+                        f"{error.message.splitlines()[0]}",
+                    ) from error
+                if self.verbose:
+                    print(
+                        f"Out of memory with micro-batches of {size} of the "
+                        f"batch of {rows} (input shape {shape}): "
+                        f"{_SAID[kind][1]} with micro-batches of "
+                        f"{(size + 1) // 2}."
+                    )
+                size = (size + 1) // 2
         if kind == "train":
             self.size = size
-        if failed or size == state[0]:
-            # A batch shorter than the size says nothing about it.
+        # A batch shorter than the size (and that fitted) says nothing of it.
+        if size < rows or size == state[0]:
             state[0] = size
             if rows > size and (state[1] is None or 2 * size < state[1]):
                 state[0] = 2 * size  # the next batch of this shape tries it
             else:
                 self._say_chosen(kind, size, rows, signature)
         return result
-
-    def _halved(self, kind, size, rows, data, error):
-        size = min(size, rows)
-        shape = tuple(_tensors(data)[0].shape)
-        if size <= 1:
-            peak = self.memory.peak()
-            raise tf.errors.ResourceExhaustedError(
-                None,
-                None,
-                "Not even one row of the batch fits: a micro-batch of 1 row "
-                f"of input shape {(1,) + shape[1:]} (the batch: {shape}) ran "
-                f"out of {self.memory.describe()}"
-                + (f" (peak {_mib(peak)})" if peak else "")
-                + ". Use smaller inputs, a smaller model, mixed precision "
-                "or a device with more memory. The error was: "
-                f"{error.message.splitlines()[0]}",
-            ) from error
-        halved = (size + 1) // 2
-        if self.verbose:
-            print(
-                f"Out of memory with micro-batches of {size} of the batch "
-                f"of {rows} (input shape {shape}): {_SAID[kind][1]} with "
-                f"micro-batches of {halved}."
-            )
-        return halved
 
     def _say_chosen(self, kind, size, rows, signature):
         if self._said.get((kind, signature)) == size:
@@ -343,7 +276,6 @@ class AutoMicroBatch:
         if not self.verbose:
             return
         replicas = self.model.distribute_strategy.num_replicas_in_sync
-        peak = self.memory.peak()
         line = (
             f"{_SAID[kind][0]} of {size} of the batch of {rows}"
             f"{' per replica' if replicas > 1 else ''}"
@@ -351,33 +283,10 @@ class AutoMicroBatch:
         if len(self._sizes[kind]) > 1:
             line += f" (rows of shape {signature[0][0]})"
         if self.memory.unlimited:
-            line += " (no memory limit on this CPU)"
+            line += " " + self.memory.describe("(no memory limit on this CPU)")
         else:
-            line += f" fit in {self.memory.describe()}"
-        if peak:
-            line += f" (peak {_mib(peak)})"
+            line += " fit in " + self.memory.describe()
         print(line + ".")
-
-
-def _out_of_memory(error):
-    """Whether `error` is a failed allocation (also of a traced constant)."""
-    return isinstance(error, tf.errors.ResourceExhaustedError) or (
-        "Cannot parse tensor from proto" in (error.message or "")
-    )
-
-
-def _fetch(iterator, count):
-    """Up to `count` batches, taken out of the iterator before training."""
-    get = getattr(iterator, "get_next", None) or (lambda: next(iterator))
-    batches = []
-    for _ in range(count):
-        try:
-            batches.append(get())
-        except (StopIteration, tf.errors.OutOfRangeError):
-            if not batches:
-                raise
-            break
-    return batches
 
 
 def out_of_memory_hint(model, error):

@@ -1,6 +1,5 @@
-"""What `fit()` adds to Keras' loop: the window's end after an epoch's last
-batch (before validation) and before callbacks see an epoch's end, and the
-start line."""
+"""What `fit()` adds to Keras' loop: the window's end at an epoch's end
+(docs/design.md, "One window end") and the start line."""
 
 import keras
 import tensorflow as tf
@@ -32,7 +31,8 @@ class BatchSkip:
 
 
 class EpochEnd:
-    """Whether the end of the epoch in progress ends the pending window."""
+    """Ends the pending window at the end of the epoch in progress, unless
+    the window carries over into the next epoch."""
 
     def __init__(self):
         self.last = False  # whether it is the last epoch of `fit()`
@@ -40,9 +40,9 @@ class EpochEnd:
     def begin(self, epoch, epochs):
         self.last = epochs is not None and epoch + 1 >= epochs
 
-    def ends_window(self, model):
-        """`False` only where the window carries over into the next epoch."""
-        return model.flush_at_epoch_end or model.stop_training or self.last
+    def end(self, model):
+        if model.flush_at_epoch_end or model.stop_training or self.last:
+            model.flush_gradients()
 
 
 def window_train_function(model, train_function):
@@ -58,65 +58,25 @@ def window_train_function(model, train_function):
                 raise
             raise out_of_memory_hint(model, error) from error
         except (StopIteration, tf.errors.OutOfRangeError):
-            # An epoch of unknown length ended: the window ends before
-            # validation and the epoch's callbacks.
+            # An epoch of unknown length ended.
             model.batch_skip.set(0)
-            if model.epoch_end.ends_window(model):
-                model.flush_gradients()
+            model.epoch_end.end(model)
             raise
 
     return window_train_function
-
-
-def _batch_size(x, batch_size):
-    """The (global) batch size `fit()` will see, if known upfront."""
-    if isinstance(x, tf.data.Dataset):
-        spec = keras.tree.flatten(x.element_spec)
-        return spec[0].shape[0] if spec and spec[0].shape.rank else None
-    if hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):
-        return batch_size or 32
-    return batch_size
-
-
-def _describe_window(model, batch, steps):
-    """The line `fit()` prints at its start: what one update is made of."""
-    n = model.gradient_accumulation_steps
-    rows = model.micro_batch_size
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    unit = "micro-batches" if rows is None else "steps"
-    if rows is None:
-        line = f"Gradient accumulation: {n} micro-batches"
-    elif rows == "auto":
-        line = (
-            "Gradient accumulation: micro-batches as large as the device "
-            f"holds ('auto') inside each step, {n} step{'s' if n > 1 else ''}"
-        )
-    else:
-        line = (
-            f"Gradient accumulation: micro-batches of at most {rows} samples"
-            f"{' per replica' if replicas > 1 else ''} inside each step, "
-            f"{n} step{'s' if n > 1 else ''}"
-        )
-    if batch:
-        line += (
-            f" of {batch} samples per update = an effective batch of "
-            f"{n * batch}"
-        )
-    else:
-        line += " per update"
-    if replicas > 1:
-        line += f", on {replicas} replicas"
-    if steps:
-        updates = -(-steps // n) if model.flush_at_epoch_end else steps / n
-        line += f"; {updates:g} updates per epoch of {steps} {unit}"
-    return line + "."
 
 
 def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
     """`callbacks` with the window's end first and last (our
     `BackupAndRestore` right after the first), and a progress bar that
     shows `updates` as an integer."""
-    batch = _batch_size(x, (fit_kwargs or {}).get("batch_size"))
+    fit_kwargs = fit_kwargs or {}
+    batch = fit_kwargs.get("batch_size")  # the global batch, if known
+    if isinstance(x, tf.data.Dataset):
+        spec = keras.tree.flatten(x.element_spec)
+        batch = spec[0].shape[0] if spec and spec[0].shape.rank else None
+    elif hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):
+        batch = batch or 32
     first, last = [_WindowEnd(batch)], [_LastWindowEnd()]
     if isinstance(callbacks, keras.callbacks.CallbackList):
         for callback in first + last:
@@ -125,19 +85,20 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
         callbacks.callbacks[:0] = first
         callbacks.callbacks.extend(last)
         return callbacks
-    callbacks = list(callbacks or [])
-    backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
-    rest = [c for c in callbacks if c not in backups]
-    if (fit_kwargs or {}).get("verbose", "auto") != 0 and not any(
-        isinstance(c, keras.callbacks.ProgbarLogger) for c in rest
+    # Our `BackupAndRestore` first, the others in their order.
+    callbacks = sorted(
+        callbacks or [], key=lambda c: not isinstance(c, BackupAndRestore)
+    )
+    if fit_kwargs.get("verbose", "auto") != 0 and not any(
+        isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks
     ):
-        rest.append(compat.ProgbarLogger())
-    return first + backups + rest + last
+        callbacks.append(compat.ProgbarLogger())
+    return first + callbacks + last
 
 
 class _WindowEnd(keras.callbacks.Callback):
-    """Runs first: the window's end before others see an epoch's end (the
-    last epoch's always: before EMA is finalized); the start line."""
+    """Runs first: the window's end before others see an epoch's end; the
+    start line."""
 
     def __init__(self, batch=None):
         super().__init__()
@@ -145,19 +106,41 @@ class _WindowEnd(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         params = self.params or {}
-        auto = self.model.auto_micro_batch
+        model = self.model
         verbose = params.get("verbose", 0)
-        if auto is not None:
-            auto.verbose = verbose
-        if verbose != 0 and self.model.gradient_accumulator.accumulates:
-            print(_describe_window(self.model, self.batch, params.get("steps")))
+        if model.auto_micro_batch is not None:
+            model.auto_micro_batch.verbose = verbose
+        if verbose == 0 or not model.gradient_accumulator.accumulates:
+            return
+        n = model.gradient_accumulation_steps
+        rows = model.micro_batch_size
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        per_replica = " per replica" if replicas > 1 else ""
+        line = f"{n} micro-batches"
+        if rows == "auto":
+            line = "micro-batches as large as the device holds ('auto')"
+        elif rows is not None:
+            line = f"micro-batches of at most {rows} samples{per_replica}"
+        if rows is not None:
+            line += f" inside each step, {n} step{'s' if n > 1 else ''}"
+        line += (
+            f" of {self.batch} samples per update = an effective batch of "
+            f"{n * self.batch}" if self.batch else " per update"
+        )
+        if replicas > 1:
+            line += f", on {replicas} replicas"
+        steps = params.get("steps")
+        if steps:
+            unit = "micro-batches" if rows is None else "steps"
+            updates = -(-steps // n) if model.flush_at_epoch_end else steps / n
+            line += f"; {updates:g} updates per epoch of {steps} {unit}"
+        print(f"Gradient accumulation: {line}.")
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.epoch_end.begin(epoch, (self.params or {}).get("epochs"))
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.model.epoch_end.ends_window(self.model):
-            self.model.flush_gradients()
+        self.model.epoch_end.end(self.model)
         if logs is not None and "updates" in logs:
             logs["updates"] = int(self.model.optimizer.iterations.numpy())
 
@@ -167,15 +150,13 @@ class _WindowEnd(keras.callbacks.Callback):
 
 class _LastWindowEnd(keras.callbacks.Callback):
     """Runs last: the window's end after an epoch's last batch, or the batch
-    after which a callback stopped `fit()` (before validation), and a
-    carried one's when a callback stopped `fit()` at an epoch's end."""
+    after which a callback stopped `fit()`, and at an epoch's end where a
+    callback stopped `fit()`."""
 
     def on_train_batch_end(self, batch, logs=None):
-        steps = self.params.get("steps") if self.params else None
-        model = self.model
-        last = model.stop_training or (steps and batch + 1 >= steps)
-        if last and model.epoch_end.ends_window(model):
-            model.flush_gradients()
+        steps = (self.params or {}).get("steps")
+        if self.model.stop_training or (steps and batch + 1 >= steps):
+            self.model.epoch_end.end(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.model.stop_training:
