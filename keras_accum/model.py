@@ -86,7 +86,7 @@ def _validate_micro_batch_size(value):
     return validate_steps(value, "micro_batch_size")
 
 
-def _check_optimizer(optimizer, policy):
+def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling=False):
     """Raises for an optimizer that accumulates, or a policy it cannot take."""
     lso = is_loss_scale_optimizer(optimizer)
     inner = optimizer.inner_optimizer if lso else optimizer
@@ -99,7 +99,7 @@ def _check_optimizer(optimizer, policy):
             "twice. Drop `gradient_accumulation_steps` from the optimizer "
             "and set it on the model instead."
         )
-    resolve_policy(policy, lso)
+    resolve_policy(policy, lso or wrapped_for_loss_scaling)
 
 
 def _multi_worker_logs(strategy, logs):
@@ -171,6 +171,27 @@ def _check_backend():
             f"backend={keras.backend.backend()!r}. Set the environment "
             "variable KERAS_BACKEND=tensorflow before importing keras."
         )
+
+
+def _checked_compile_arguments(model, args, kwargs):
+    """`compile()`'s arguments, with a given optimizer resolved and checked."""
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    if optimizer is None or (isinstance(optimizer, str) and optimizer == "auto"):
+        return args, kwargs
+    optimizer = keras.optimizers.get(optimizer)
+    if args:
+        args = (optimizer,) + args[1:]
+    else:
+        kwargs = dict(kwargs, optimizer=optimizer)
+    if "gradient_accumulator" in vars(model):
+        _check_optimizer(
+            optimizer,
+            model.non_finite_policy,
+            # Keras wraps it for `mixed_float16` (`auto_scale_loss`).
+            kwargs.get("auto_scale_loss", True)
+            and model.dtype_policy.name == "mixed_float16",
+        )
+    return args, kwargs
 
 
 # Flushes run eagerly before one is traced (docs/design.md, "One window end").
@@ -456,8 +477,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return model
 
     def compile(self, *args, **kwargs):
+        # Checked before Keras' `compile()`: a refused one changes nothing.
+        args, kwargs = _checked_compile_arguments(self, args, kwargs)
         super().compile(*args, **kwargs)
-        if "gradient_accumulator" in vars(self):  # else: `_init_window`
+        if "gradient_accumulator" in vars(self):
+            # The parent's default optimizer, if none was given.
             _check_optimizer(self.optimizer, self.non_finite_policy)
         self._flush_function = None
 
