@@ -181,6 +181,44 @@ class AutoMicroBatch:
             for c in components(v.value if isinstance(v, keras.Variable) else v)
         ]
 
+    def _saved(self, kind):
+        """The values to put back if the step of `kind` fails."""
+        pending = kind == "train" and (
+            int(self.model.gradient_accumulator.micro_step.numpy()) > 0
+        )
+        return {
+            id(c): (c, tf.identity(c.read_value()))
+            for c in self._variables(kind, with_buffers=pending)
+        }
+
+    def _roll_back(self, saved, kind):
+        """Puts `_saved()`'s values back; zeroes variables made since."""
+        for c in self._variables(kind, with_buffers=True):
+            if id(c) in saved:
+                c.assign(saved[id(c)][1])
+            elif not c.name.startswith("buffer_"):
+                c.assign(tf.zeros_like(c))
+
+    def _halved(self, kind, size, shape, error):
+        """The size to try after `size` ran out of memory; says so."""
+        if size <= 1:
+            raise tf.errors.ResourceExhaustedError(
+                None,
+                None,
+                "Not even one row of the batch fits: a micro-batch of 1 row "
+                f"of input shape {(1,) + shape[1:]} (the batch: {shape}) ran "
+                f"out of {self.memory.describe()}. Use smaller inputs, a "
+                "smaller model, mixed precision or a device with more memory. "
+                f"The error was: {error.message.splitlines()[0]}",
+            ) from error
+        if self.verbose:
+            print(
+                f"Out of memory with micro-batches of {size} of the batch of "
+                f"{shape[0]} (input shape {shape}): {_SAID[kind][1]} with "
+                f"micro-batches of {(size + 1) // 2}."
+            )
+        return (size + 1) // 2
+
     def _first_size(self, kind, signature, rows):
         trained = self._sizes["train"]
         if kind != "train" and signature in trained:
@@ -209,13 +247,7 @@ class AutoMicroBatch:
         state = sizes[signature]
         size = min(state[0], rows)
         while True:
-            pending = kind == "train" and (
-                int(self.model.gradient_accumulator.micro_step.numpy()) > 0
-            )
-            saved = {
-                id(c): (c, tf.identity(c.read_value()))
-                for c in self._variables(kind, with_buffers=pending)
-            }
+            saved = self._saved(kind)
             self.memory.reset_peak()
             if (kind, size) not in self._functions:
                 self._functions[kind, size] = make_function(size)
@@ -230,34 +262,12 @@ class AutoMicroBatch:
                 parse = "Cannot parse tensor from proto" in str(error.message)
                 if not (parse or isinstance(error, _OOM[0])):
                     raise
-                for c in self._variables(kind, with_buffers=True):
-                    if id(c) in saved:
-                        c.assign(saved[id(c)][1])
-                    elif not c.name.startswith("buffer_"):
-                        c.assign(tf.zeros_like(c))  # made by the failed trace
+                self._roll_back(saved, kind)
                 # The failed size's function holds memory (constants).
                 self._functions.pop((kind, size), None)
                 gc.collect()
                 state[1] = size if state[1] is None else min(state[1], size)
-                if size <= 1:
-                    raise tf.errors.ResourceExhaustedError(
-                        None,
-                        None,
-                        "Not even one row of the batch fits: a micro-batch of "
-                        f"1 row of input shape {(1,) + shape[1:]} (the batch: "
-                        f"{shape}) ran out of {self.memory.describe()}. Use "
-                        "smaller inputs, a smaller model, mixed precision or "
-                        "a device with more memory. The error was: "
-                        f"{error.message.splitlines()[0]}",
-                    ) from error
-                if self.verbose:
-                    print(
-                        f"Out of memory with micro-batches of {size} of the "
-                        f"batch of {rows} (input shape {shape}): "
-                        f"{_SAID[kind][1]} with micro-batches of "
-                        f"{(size + 1) // 2}."
-                    )
-                size = (size + 1) // 2
+                size = self._halved(kind, size, shape, error)
         if kind == "train":
             self.size = size
         # A batch shorter than the size (and that fitted) says nothing of it.

@@ -256,6 +256,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         candidates = [pointed] if pointed else []
         error = None
         for entry in candidates + [e for e in complete if e != pointed]:
+            # `path`: the file that a failure of each step is reported for.
             path = os.path.join(root, entry, _POSITION)
             try:
                 position = _read_position(path)
