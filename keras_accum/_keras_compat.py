@@ -91,6 +91,24 @@ def global_seed_generator(create=False):
     )
 
 
+def metrics_built(model):
+    """Whether the model's compiled metrics and loss are built (or none)."""
+    return all(
+        c is None or c.built
+        for c in (
+            getattr(model, "_compile_metrics", None),
+            compile_loss(model),
+        )
+    )
+
+
+def build_metrics(model, data_batch):
+    """Builds the compiled metrics and loss from a batch's shapes, as Keras'
+    `fit()` does before a distributed first step."""
+    if not metrics_built(model):
+        model._symbolic_build(data_batch=data_batch)
+
+
 def set_initial_epoch(model, epoch):
     model._initial_epoch = epoch
 

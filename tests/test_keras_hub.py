@@ -425,3 +425,49 @@ def test_converted_retinanet_serialized_and_deserialized(converted_retinanet):
     # does not take the dict of boxes and labels: `fit()` above does.)
     restored.compile()
     assert set(restored.loss) == {"bbox_regression", "cls_logits"}
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises after train batch `batch` (1-based) of epoch `epoch`."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def test_converted_task_resumes_with_its_default_metrics(tmp_path, float64):
+    # keras-hub compiles a weighted accuracy by default: the restart's
+    # skipped batches build it and continue the epoch's value.
+    x, y, sample_weight = _tokens()
+
+    def run(callbacks):
+        task = GAM.from_model(
+            _gpt2(with_preprocessor=False), gradient_accumulation_steps=2
+        )
+        task.fit(x, y, sample_weight=sample_weight, batch_size=2, epochs=2,
+                 shuffle=False, verbose=0, callbacks=callbacks)
+        return task
+
+    reference = run([])
+    backup = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run([keras_accum.callbacks.BackupAndRestore(backup, save_freq=1),
+             _Interrupt(1, 3)])
+    resumed = run([keras_accum.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert resumed.history.epoch == [1]
+    assert int(resumed.optimizer.iterations) == 4
+    _assert_window_equals_big_batch(
+        "keras-hub GPT2CausalLM resumed mid-epoch", [
+            np.asarray(w, np.float64) for w in _gpt2().get_weights()
+        ], reference, resumed,
+    )
+    last = {k: v[-1] for k, v in reference.history.history.items()}
+    assert "sparse_categorical_accuracy" in last
+    assert {k: v[-1] for k, v in resumed.history.history.items()} == last

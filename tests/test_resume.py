@@ -119,6 +119,25 @@ KILLED_RUNS = {
         # micro-batches.
         [[0, 0, 0], [0, 2, 0], [1, 5, 3]],
     ),
+    # A compiled metric of each kind (a mean, an exact-match count, a
+    # confusion matrix): the skipped batches of the restart build them, the
+    # backup's state continues the epoch's values.
+    "metrics, killed mid-epoch": (
+        ["--metrics", "mae", "accuracy", "mean_iou", "--save-freq", "3",
+         "--validation"],
+        ["0:4", "1:5"],
+        # Backups after batch 3 of epochs 0 and 1 (3 pending).
+        [[0, 0, 0], [0, 0, 3], [1, 2, 3]],
+    ),
+    # 9 batches in calls of 2: Keras reports the last, single-batch call
+    # as ending at batch 10. Killed in validation, the restart skips the
+    # whole epoch (its backup after batch 9: 2 updates, 1 pending).
+    "steps_per_execution=2 on 9 batches, killed in validation": (
+        ["--samples", "72", "--steps-per-execution", "2", "--save-freq", "1",
+         "--validation", "--metrics", "mae"],
+        ["v0:2"],  # the validation's first call, of 2 batches
+        [[0, 0, 0], [0, 2, 1]],
+    ),
 }
 
 
@@ -145,6 +164,10 @@ def test_killed_run_resumes_exactly(tmp_path, tmp_path_factory, case):
     diff = relative_difference(_weights(reference), _weights(out))
     record(f"resumed after SIGKILL ({case})", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
+    # The resumed epoch logs what the uninterrupted one logged.
+    logs = [json.loads(p.with_suffix(".json").read_text())
+            for p in (reference, out)]
+    assert logs[1] == logs[0]
     # A completed run removes its backups.
     assert not (folder / "resumed_backup").exists()
 
@@ -158,7 +181,8 @@ class _Interrupt(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch + 1) == self.at:
+        # `batch + 1` can pass the batch: calls of `steps_per_execution`.
+        if self.epoch == self.at[0] and batch + 1 >= self.at[1]:
             raise RuntimeError("interrupted")
 
 
@@ -180,6 +204,7 @@ def test_interrupted_fit_resumes_exactly(
         )
         model.compile(
             optimizer=keras.optimizers.Adam(0.01), loss="mse",
+            metrics=["mae", "accuracy"],
             steps_per_execution=steps_per_execution,
         )
         if data == "known":
@@ -192,7 +217,9 @@ def test_interrupted_fit_resumes_exactly(
 
     reference = run([])
     backup = str(tmp_path / "backup")
-    for epoch, batch in ((0, 4), (1, 6), (2, 2)):
+    # 7 batches an epoch; the last is the end of the epoch (with calls of
+    # 2 batches, Keras reports it as batch 8).
+    for epoch, batch in ((0, 4), (1, 7), (2, 2)):
         with pytest.raises(RuntimeError, match="interrupted"):
             run([BackupAndRestore(backup, save_freq=2), _Interrupt(epoch, batch)])
     resumed = run([BackupAndRestore(backup, save_freq=2)])
@@ -200,6 +227,9 @@ def test_interrupted_fit_resumes_exactly(
     diff = relative_difference(reference.get_weights(), resumed.get_weights())
     record(f"resumed after an exception ({data} length)", diff)
     assert diff <= 1e-12
+    last = [{k: v[-1] for k, v in m.history.history.items()}
+            for m in (reference, resumed)]
+    assert last[1] == last[0]
     assert int(resumed.optimizer.iterations) == int(
         reference.optimizer.iterations
     )

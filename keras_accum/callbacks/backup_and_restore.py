@@ -130,7 +130,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self._previous = None
         position = self._restore()
-        self._epoch, self._resume_at = position or (0, 0)
+        self._epoch = position["epoch"] if position else 0
+        self._resume_at = position["batches"] if position else 0
         self._since_backup = 0
         steps = (self.params or {}).get("steps")
         if steps and self._resume_at > steps:
@@ -143,15 +144,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         if position:
             # `fit()` reads this right after `on_train_begin`.
             compat.set_initial_epoch(self.model, self._epoch)
-            self.model.batch_skip.set(self._resume_at)
+            self.model.batch_skip.set(self._resume_at, position.get("metrics"))
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_in_epoch = epoch, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # `batch` is the call's last step; Keras counts skipped batches too.
-        seen = batch + 1 - max(self._batches_in_epoch, self._resume_at)
-        self._batches_in_epoch = batch + 1
+        # `batch` is the call's last step (nominal: an epoch's last call of
+        # `steps_per_execution` may be shorter); Keras counts skipped
+        # batches too.
+        steps = (self.params or {}).get("steps")
+        end = min(batch + 1, steps) if steps else batch + 1
+        seen = end - max(self._batches_in_epoch, self._resume_at)
+        self._batches_in_epoch = end
         if seen > 0:
             self._since_backup += seen
             if self._every_batches and self._since_backup >= self.save_freq:
@@ -185,6 +190,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         with open(weights, "rb") as f:
             os.fsync(f.fileno())
         position = {"epoch": epoch, "batches": batches}
+        if batches:
+            # The epoch's loss and metrics so far (an epoch starts anew).
+            position["metrics"] = [
+                np.asarray(v.numpy()).tolist()
+                for v in self.model.metrics_variables
+            ]
         position["seed_generators"] = [
             np.asarray(v.numpy()).tolist() for v in self._seed_variables()
         ]
@@ -203,7 +214,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
     def _restore(self):
-        """Loads the newest intact backup; returns its (epoch, batches)."""
+        """Loads the newest intact backup; returns its position."""
         root = self.backup_dir
         if not os.path.isdir(root):
             return None
@@ -284,7 +295,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     stacklevel=3,
                 )
             self._previous = entry
-            return position["epoch"], position["batches"]
+            return position
         hint = (
             ""
             if self.double_checkpoint
@@ -371,6 +382,12 @@ def _read_position(path):
             "`seed_generators` must be a list of lists of integers. "
             f"Received: seed_generators={states!r}"
         )
+    metrics = position.get("metrics", [])
+    if not isinstance(metrics, list) or not all(map(_numbers, metrics)):
+        raise ValueError(
+            "`metrics` must be a list of numbers or nested lists of "
+            f"numbers. Received: metrics={metrics!r}"
+        )
     state = position.get("global_seed_generator")
     if state is not None and not ints(state):
         raise ValueError(
@@ -378,6 +395,13 @@ def _read_position(path):
             f"Received: global_seed_generator={state!r}"
         )
     return position
+
+
+def _numbers(value):
+    """Whether `value` is a number or a nested list of numbers."""
+    if isinstance(value, list):
+        return all(map(_numbers, value))
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _write_atomically(path, text):

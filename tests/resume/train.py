@@ -10,7 +10,9 @@ SIGKILL right after that train batch (Keras' count: batches the resumed run
 skips count too), `--kill vEPOCH:BATCH` right after that batch of the
 epoch's validation. `--log FILE` appends where the run starts, after the
 restore, as a JSON line `[epoch, updates, pending micro-batches]`. A run that
-ends writes the final weights to OUT_FILE (`.npz`).
+ends writes the final weights to OUT_FILE (`.npz`) and its last epoch's logs
+to OUT_FILE with `.json` for `.npz`. `--metrics` compiles metrics (`mae`,
+`accuracy`, `mean_iou`: the mean IoU of the signs of output and target).
 """
 
 import argparse
@@ -83,6 +85,14 @@ class GlobalNoise(keras.layers.Layer):
         return x + keras.random.normal(keras.ops.shape(x), stddev=0.1)
 
 
+class SignIoU(keras.metrics.BinaryIoU):
+    """The IoU of `y_pred >= 0` and `y_true > 0` (a confusion matrix)."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_true = keras.ops.cast(y_true > 0, y_pred.dtype)
+        return super().update_state(y_true, y_pred, sample_weight)
+
+
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out")
@@ -102,6 +112,9 @@ def parse(argv):
                         help="Dropout(0.5) and noise from the global seed")
     parser.add_argument("--double-checkpoint", action="store_true")
     parser.add_argument("--log", help="a file for where each run starts")
+    parser.add_argument("--metrics", nargs="*", default=[],
+                        choices=["mae", "accuracy", "mean_iou"])
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     return parser.parse_args(argv)
 
 
@@ -122,7 +135,15 @@ def build(args):
         micro_batch_size=args.micro_batch_size,
         flush_at_epoch_end=not args.no_flush,
     )
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    metrics = [
+        SignIoU([0, 1], threshold=0.0, name="mean_iou")
+        if name == "mean_iou" else name
+        for name in args.metrics
+    ]
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=metrics,
+        steps_per_execution=args.steps_per_execution,
+    )
     return model
 
 
@@ -169,6 +190,9 @@ def main(argv):
         callbacks.append(KillAt(args.kill))
     model = fit(build(args), args, callbacks)
     np.savez(args.out, *model.get_weights())
+    last = {k: float(v[-1]) for k, v in model.history.history.items()}
+    with open(args.out.replace(".npz", ".json"), "w") as f:
+        json.dump(last, f)
 
 
 if __name__ == "__main__":
