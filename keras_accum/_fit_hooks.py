@@ -2,60 +2,11 @@
 (docs/design.md, "One window end") and the start line."""
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_compat as compat
 from keras_accum._auto_micro_batch import out_of_memory_hint
 from keras_accum.callbacks import BackupAndRestore
-
-
-class BatchSkip:
-    """Batches that the next train calls consume without training, and the
-    metrics' state that the first of them restores."""
-
-    def __init__(self):
-        self.remaining = 0
-        self.metrics = None
-
-    def set(self, count, metrics=None):
-        """The next `count` batches are skipped (0: none); `metrics`, the
-        values of `model.metrics_variables` to restore when they are."""
-        self.remaining = int(count)
-        self.metrics = metrics if self.remaining else None
-
-    def take(self, model, iterator, steps_per_execution):
-        """Consumes one train call's batches if any are to be skipped."""
-        if not self.remaining:
-            return False
-        count = min(steps_per_execution, self.remaining)
-        for _ in range(count):
-            batch = getattr(iterator, "get_next", lambda: next(iterator))()
-            if self.metrics is not None or not compat.metrics_built(model):
-                # Resumed mid-epoch: the epoch's metrics as backed up.
-                compat.build_metrics(model, batch)
-                restore_metrics(model, self.metrics)
-                self.metrics = None
-        self.remaining -= count
-        return True
-
-
-def restore_metrics(model, values):
-    """Assigns `values` (`None`: none) to `model.metrics_variables`."""
-    if values is None:
-        return
-    variables = model.metrics_variables
-    if len(values) != len(variables):
-        raise ValueError(
-            f"The backup holds the state of {len(values)} metric variables, "
-            f"but the model's compiled loss and metrics have "
-            f"{len(variables)}: `compile()` was called with other metrics "
-            "than in the run that was backed up. Compile the same metrics, "
-            "or delete the backup folder to start training over."
-        )
-    for value, variable in zip(values, variables):
-        variable.assign(np.reshape(np.asarray(value, variable.dtype),
-                                   variable.shape))
 
 
 class EpochEnd:
@@ -78,7 +29,7 @@ def window_train_function(model, train_function):
 
     def window_train_function(iterator):
         try:
-            if model.batch_skip.take(
+            if model.input_position.take(
                 model, iterator, model.steps_per_execution
             ):
                 # The logs of a train step: metrics and `updates`.
@@ -90,7 +41,7 @@ def window_train_function(model, train_function):
             raise out_of_memory_hint(model, error) from error
         except (StopIteration, tf.errors.OutOfRangeError):
             # An epoch of unknown length ended.
-            model.batch_skip.set(0)
+            model.input_position.reset()
             model.epoch_end.end(model)
             raise
 

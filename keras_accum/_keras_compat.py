@@ -261,10 +261,32 @@ def loss_weights(model):
     ]
 
 
+def replay_epochs(epoch_iterator, epochs):
+    """Has `fit()`'s epoch iterator go through `epochs` epochs as in
+    training, reading no batch: it makes the iterators of its input that
+    they made, and each draws its order (a reshuffling pipeline's seeds).
+    Returns how many batches the iterator that the next epoch goes on with
+    had given (with `steps_per_epoch`, one goes on across epochs)."""
+    sized = epoch_iterator.steps_per_epoch or epoch_iterator._num_batches
+    for _ in range(epochs):
+        if sized:
+            for _ in epoch_iterator:
+                pass
+        else:  # One iterator an epoch, which ends when it runs out.
+            epoch_iterator.data_adapter.on_epoch_begin()
+            iter(epoch_iterator._get_iterator())
+    if epoch_iterator.steps_per_epoch:
+        return epoch_iterator._steps_seen
+    return 0
+
+
 class TrainerHooks:
     """Overrides of private `keras.Model` methods; mixed in before it."""
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # `fit()` calls it first with its epoch iterator.
+        if iterator is not None and "input_position" in vars(self):
+            self.input_position.capture(iterator)
         # Keras averages a distributed batch over the replicas only to
         # learn its shapes, which fails under `MultiWorkerMirroredStrategy`.
         if self._distribute_strategy is None or iterator is None:

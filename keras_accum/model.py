@@ -13,7 +13,7 @@ from keras_accum import _model_classes as classes
 from keras_accum import _saved_window as saved_window
 from keras_accum import loss_normalizer
 from keras_accum._auto_micro_batch import AutoMicroBatch
-from keras_accum._fit_hooks import BatchSkip
+from keras_accum._input_position import InputPosition
 from keras_accum._fit_hooks import EpochEnd
 from keras_accum._fit_hooks import window_train_function
 from keras_accum._fit_hooks import with_window_callbacks
@@ -23,6 +23,7 @@ from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import resolve_policy
 from keras_accum.accumulator import validate_steps
 from keras_accum.batch_norm import WindowBatchNormStatistics
+from keras_accum.callbacks import BackupAndRestore
 
 # One micro-batch's forward pass (`normalizer`: `None` for a sum; `terms`:
 # `loss_normalizer.LossTerm`s, `None` if one is of an unknown kind).
@@ -326,7 +327,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         # Per function kind: whether XLA compiles each micro-batch.
         self._micro_batches_in_xla = {}
         # How `keras_accum.callbacks.BackupAndRestore` resumes mid-epoch.
-        self.batch_skip = BatchSkip()
+        self.input_position = InputPosition()
         self.epoch_end = EpochEnd()
         self._auto_micro_batch = self._micro_batch_size = None
         self._use_micro_batch_size(window.micro_batch_size)
@@ -584,6 +585,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         with self.distribute_strategy.scope():
             self.gradient_accumulator.build(self.trainable_variables)
             self._batch_norm_statistics.build(self)
+            self.input_position.build()
             optimizer = getattr(self, "optimizer", None)
             if optimizer is not None and not optimizer.built:
                 if self.built and self.trainable_variables:
@@ -591,6 +593,13 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
 
     def fit(self, x=None, *args, callbacks=None, **kwargs):
         callbacks = with_window_callbacks(self, callbacks, x, kwargs)
+        # With our `BackupAndRestore`, the train step records its input.
+        records = any(
+            isinstance(c, BackupAndRestore)
+            for c in getattr(callbacks, "callbacks", callbacks)
+        )
+        if self.input_position.start_fit(records):
+            self.train_function = None
         return super().fit(x, *args, callbacks=callbacks, **kwargs)
 
     def flush_gradients(self):
@@ -613,6 +622,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return bool(self._flush_function())
 
     def train_step(self, data):
+        self.input_position.record(data)
         if not self.gradient_accumulator.accumulates:
             # N = 1 and no option that needs the window: Keras' own step.
             return self._step_logs(super().train_step(data))

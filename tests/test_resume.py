@@ -138,6 +138,26 @@ KILLED_RUNS = {
         ["v0:2"],  # the validation's first call, of 2 batches
         [[0, 0, 0], [0, 2, 1]],
     ),
+    # A pipeline reshuffled every epoch (`.shuffle(n, seed=3)`): the
+    # restart draws the orders of the epochs before the backup's, killed
+    # mid-epoch, in validation, and right after an epoch's backup.
+    "reshuffled pipeline, seeded": (
+        ["--data", "shuffled", "--metrics", "mae", "--validation",
+         "--save-freq", "2"],
+        ["0:3", "v1:1", "2:1"],
+        # Backups after batches 2 of epoch 0, 6 of epoch 1, end of epoch 1.
+        [[0, 0, 0], [0, 0, 2], [1, 3, 2], [2, 4, 0]],
+    ),
+    "reshuffled pipeline, global seed only": (
+        ["--data", "shuffled-global", "--save-freq", "3"],
+        ["1:4"],
+        [[0, 0, 0], [1, 2, 3]],
+    ),
+    "arrays, fit(shuffle=True)": (
+        ["--data", "shuffled-arrays", "--save-freq", "3"],
+        ["1:5"],
+        [[0, 0, 0], [1, 2, 3]],
+    ),
 }
 
 
@@ -445,6 +465,31 @@ def test_no_intact_backup_is_an_error(backups, tmp_path, float64):
         with pytest.raises(RuntimeError, match="interrupted"):
             _fit([BackupAndRestore(folder), start, _Interrupt(0, 1)])
     assert start.state == (0, 0)
+
+
+def test_restart_on_other_input_is_refused(backups, tmp_path, float64):
+    # A backup after batch 4 of epoch 1; the restart's input comes in
+    # another order: its batch 4 holds other samples.
+    folder, _, _ = _copy(backups, tmp_path)
+    args = train.parse(["-", "-", "--dropout", "--samples", "48",
+                        "--data", "other-order"])
+    message = (
+        r"The input of this `fit\(\)` is not the one that was backed up: "
+        r"batch 4 of epoch 1 holds other samples than the backed-up run "
+        r"trained on there, so resuming would train on other samples than "
+        r"it would have\. Give the input the same order in every run "
+    )
+    with pytest.raises(ValueError, match=message):
+        train.fit(train.build(args), args, [
+            BackupAndRestore(folder, save_freq=2, double_checkpoint=True),
+        ])
+    start = _AtStart()
+    with pytest.warns(UserWarning, match=message):
+        train.fit(train.build(args), args, [
+            BackupAndRestore(folder, save_freq=2, strict=False), start,
+        ])
+    assert start.state == (3, 0)
+    assert not folder.exists()
 
 
 def test_save_freq_numpy_integer_and_false(backups, tmp_path, float64):

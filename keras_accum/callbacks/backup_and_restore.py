@@ -43,12 +43,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             to restore if the newest is damaged. Defaults to `False`.
         delete_checkpoint: bool. If `True` (default) the folder is deleted
             when `fit()` ends normally.
+        strict: bool. If `True` (default), a restart whose input differs
+            from the backed-up run's at the backup's position (another
+            dataset, or an order that is not the same in every run) raises;
+            if `False`, it warns and resumes.
 
     Raises:
         ValueError: for an invalid argument; at the start of `fit()`, if the
             model is not a `GradientAccumulationModel`, if `backup_dir`
             cannot be written to, if no backup in it can be restored, or if
-            the backup is past the end of an epoch of this `fit()`.
+            the backup is past the end of an epoch of this `fit()`; in the
+            first train step, if the input differs from the backed-up one
+            (with `strict=True`).
 
     Example:
 
@@ -66,6 +72,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq="epoch",
         double_checkpoint=False,
         delete_checkpoint=True,
+        strict=True,
     ):
         super().__init__()
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
@@ -88,6 +95,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         for name, value in (
             ("double_checkpoint", double_checkpoint),
             ("delete_checkpoint", delete_checkpoint),
+            ("strict", strict),
         ):
             if not isinstance(value, bool):
                 raise ValueError(
@@ -98,6 +106,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._every_batches = every
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
+        self.strict = strict
         self._epoch = self._batches_in_epoch = self._resume_at = 0
         self._since_backup = 0
         self._previous = None  # the folder `double_checkpoint` keeps
@@ -144,7 +153,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         if position:
             # `fit()` reads this right after `on_train_begin`.
             compat.set_initial_epoch(self.model, self._epoch)
-            self.model.batch_skip.set(self._resume_at, position.get("metrics"))
+            self.model.input_position.resume(
+                self._epoch,
+                self._resume_at,
+                metrics=position.get("metrics"),
+                expected=position.get("fingerprint"),
+                where=f"batch {self._resume_at} of epoch {self._epoch}",
+                strict=self.strict,
+            )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_in_epoch = epoch, 0
@@ -169,7 +185,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         compat.set_initial_epoch(self.model, None)
-        self.model.batch_skip.set(0)
+        self.model.input_position.reset()
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir)
 
@@ -191,11 +207,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             os.fsync(f.fileno())
         position = {"epoch": epoch, "batches": batches}
         if batches:
-            # The epoch's loss and metrics so far (an epoch starts anew).
+            # The epoch's loss and metrics so far (an epoch starts anew),
+            # and what the last batch held, to check the restart's input.
             position["metrics"] = [
                 np.asarray(v.numpy()).tolist()
                 for v in self.model.metrics_variables
             ]
+            fingerprint = self.model.input_position.recorded()
+            if fingerprint is not None:
+                position["fingerprint"] = fingerprint
         position["seed_generators"] = [
             np.asarray(v.numpy()).tolist() for v in self._seed_variables()
         ]
@@ -387,6 +407,15 @@ def _read_position(path):
         raise ValueError(
             "`metrics` must be a list of numbers or nested lists of "
             f"numbers. Received: metrics={metrics!r}"
+        )
+    fingerprint = position.get("fingerprint")
+    if fingerprint is not None and not (
+        isinstance(fingerprint, list) and len(fingerprint) == 3
+        and _numbers(fingerprint)
+    ):
+        raise ValueError(
+            "`fingerprint` must be a list of 3 numbers. Received: "
+            f"fingerprint={fingerprint!r}"
         )
     state = position.get("global_seed_generator")
     if state is not None and not ints(state):

@@ -98,7 +98,13 @@ def parse(argv):
     parser.add_argument("out")
     parser.add_argument("backup_dir")
     parser.add_argument(
-        "--data", choices=["known", "unknown"], default="known"
+        "--data", default="known",
+        choices=["known", "unknown", "shuffled", "shuffled-global",
+                 "shuffled-arrays", "other-order"],
+        help="arrays in order; `tf.data` of unknown length; a `tf.data` "
+        "pipeline reshuffled every epoch, seeded or by the global seed "
+        "only; arrays with `shuffle=True`; arrays in another order than "
+        "the other kinds (for a restart on other input)",
     )
     parser.add_argument("--save-freq", default="epoch")
     parser.add_argument("--kill", help="EPOCH:BATCH or vEPOCH:BATCH")
@@ -158,18 +164,27 @@ def data(args):
 def fit(model, args, callbacks):
     x, y, x_val, y_val = data(args)
     kwargs = dict(epochs=3, callbacks=callbacks, verbose=0)
-    if args.data == "unknown":
-        def dataset(*arrays):
+    if args.data in ("unknown", "shuffled", "shuffled-global"):
+        def dataset(*arrays, train=True):
             pipeline = tf.data.Dataset.from_tensor_slices(arrays)
-            return pipeline.filter(lambda *_: True).batch(8)
+            if args.data == "unknown":
+                pipeline = pipeline.filter(lambda *_: True)
+            elif train:
+                seed = 3 if args.data == "shuffled" else None
+                pipeline = pipeline.shuffle(len(arrays[0]), seed=seed)
+            return pipeline.batch(8)
 
-        validation = dataset(x_val, y_val) if args.validation else None
+        validation = (
+            dataset(x_val, y_val, train=False) if args.validation else None
+        )
         model.fit(dataset(x, y), validation_data=validation, **kwargs)
     else:
+        if args.data == "other-order":
+            x, y = x[::-1], y[::-1]
         validation = (x_val, y_val) if args.validation else None
         model.fit(
-            x, y, batch_size=8, shuffle=False, validation_data=validation,
-            **kwargs,
+            x, y, batch_size=8, shuffle=args.data == "shuffled-arrays",
+            validation_data=validation, **kwargs,
         )
     return model
 
