@@ -1,6 +1,7 @@
 """Runs `train.py` again and again, each run a process of its own.
 
 Usage: python restarts.py RUNS_JSON
+       python restarts.py --serve
 
 RUNS_JSON: `{group: [argv, ...]}`, argument lists of `train.py` by group
 (their `OUT_FILE`'s folder is made if missing). This process imports
@@ -10,7 +11,8 @@ process with these modules imported (without paying for the imports
 again), trains, and ends or kills itself with SIGKILL as `train.py` does.
 Prints one JSON line per run: its group, its exit code (negative: the
 signal that ended it), whether its output file exists after it, and its
-stderr.
+stderr. With `--serve`, it reads one RUNS_JSON per line of its stdin, runs
+it, and prints `{"done": true}` after its runs' lines, until stdin ends.
 """
 
 import json
@@ -48,5 +50,14 @@ def main(groups):
             }), flush=True)
 
 
+def serve():
+    for line in sys.stdin:
+        main(json.loads(line))
+        print(json.dumps({"done": True}), flush=True)
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        main(json.loads(sys.argv[1]))

@@ -2,9 +2,9 @@
 
 Usage: python train.py OUT_FILE BACKUP_DIR [options]
 
-Trains a small float64 model with BatchNormalization (micro-batches of 8,
-3 epochs, Adam) with `keras_accum.callbacks.BackupAndRestore`, on arrays
-(`--data known`) or on a `tf.data` pipeline of unknown length
+Trains a small float64 model (or mixed precision, `--precision`) with
+BatchNormalization (micro-batches of 8, 3 epochs, Adam) with
+`keras_accum.callbacks.BackupAndRestore`, on arrays (`--data known`) or on a `tf.data` pipeline of unknown length
 (`--data unknown`). `--kill EPOCH:BATCH` has the process kill itself with
 SIGKILL right after that train batch (Keras' count: batches the resumed run
 skips count too), `--kill vEPOCH:BATCH` right after that batch of the
@@ -33,7 +33,8 @@ import keras_accum  # noqa: E402
 
 class KillAt(keras.callbacks.Callback):
     """SIGKILL after train batch `EPOCH:BATCH`, or validation batch
-    `vEPOCH:BATCH` (1-based batches)."""
+    `vEPOCH:BATCH` (1-based batches; the first call of `steps_per_execution`
+    batches that reaches it)."""
 
     def __init__(self, spec):
         super().__init__()
@@ -45,8 +46,9 @@ class KillAt(keras.callbacks.Callback):
         self.epoch = epoch
 
     def _kill_at(self, batch, in_validation):
+        # `batch + 1` can pass the batch: calls of `steps_per_execution`.
         if in_validation == self.in_validation and (
-            (self.epoch, batch + 1) == self.at
+            self.epoch == self.at[0] and batch + 1 >= self.at[1]
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -82,7 +84,9 @@ class GlobalNoise(keras.layers.Layer):
     def call(self, x, training=False):
         if not training:
             return x
-        return x + keras.random.normal(keras.ops.shape(x), stddev=0.1)
+        return x + keras.random.normal(
+            keras.ops.shape(x), stddev=0.1, dtype=x.dtype
+        )
 
 
 class SignIoU(keras.metrics.BinaryIoU):
@@ -121,12 +125,15 @@ def parse(argv):
     parser.add_argument("--metrics", nargs="*", default=[],
                         choices=["mae", "accuracy", "mean_iou"])
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--precision", default="float64",
+                        choices=["float64", "mixed_float16", "mixed_bfloat16"])
     return parser.parse_args(argv)
 
 
 def build(args):
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
+    keras.config.set_floatx("float64" if args.precision == "float64"
+                            else "float32")
+    keras.config.set_dtype_policy(args.precision)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     h = keras.layers.Dense(8, activation="tanh")(inputs)

@@ -1,0 +1,164 @@
+"""Generative resume tests: a drawn training script, killed and restarted.
+
+Hypothesis draws the script a user writes (`resume/train.py`'s options:
+compiled metrics, validation data, the input's kind, reshuffling pipelines
+included, N, in-step micro-batches, `steps_per_execution`, Dropout, mixed
+precision, `save_freq`, `flush_at_epoch_end`) and one or two places to kill
+it with SIGKILL (a train batch or a validation batch of any epoch). The
+script runs uninterrupted, then killed at each place and started again with
+the same command until it ends; the restarted run must end with the
+uninterrupted run's weights (float64: within 1e-12; mixed precision:
+equal) and log the same figures for its last epoch. Every run is a process
+of its own, forked from one server process that imported TensorFlow once
+(`resume/restarts.py --serve`). A failure shrinks to the smallest script.
+
+The `ci` profile (the default) draws a few scripts; `long` searches
+(CONTRIBUTING.md).
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import record
+from conftest import relative_difference
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import note
+from hypothesis import settings
+from hypothesis import strategies as st
+
+RESTARTS = os.path.join(os.path.dirname(__file__), "resume", "restarts.py")
+
+# Batches of 8 rows (`resume/train.py`), 16 validation rows, 3 epochs.
+BATCH, VALIDATION_BATCHES, EPOCHS = 8, 2, 3
+
+# The scripts a run of the `ci` profile draws: each costs some 5 to 15 s.
+CI_EXAMPLES = 5
+
+
+@st.composite
+def scripts(draw):
+    """`resume/train.py`'s options, and the kills in the order they come."""
+    samples = draw(st.sampled_from([48, 52, 56]))
+    options = ["--samples", str(samples)]
+    data = draw(st.sampled_from(
+        ["known", "unknown", "shuffled", "shuffled-global", "shuffled-arrays"]
+    ))
+    options += ["--data", data]
+    options += ["--steps", str(draw(st.integers(1, 4)))]
+    if draw(st.booleans()):
+        options += ["--micro-batch-size", str(draw(st.sampled_from([3, 4])))]
+    if draw(st.booleans()):
+        options.append("--no-flush")
+    validation = draw(st.booleans())
+    if validation:
+        options.append("--validation")
+    if draw(st.booleans()):
+        options.append("--dropout")
+    metrics = draw(st.lists(
+        st.sampled_from(["mae", "accuracy", "mean_iou"]), unique=True
+    ))
+    if metrics:
+        options += ["--metrics", *metrics]
+    options += ["--steps-per-execution", str(draw(st.integers(1, 3)))]
+    options += ["--save-freq", draw(
+        st.sampled_from(["epoch", "1", "2", "3", "5"])
+    )]
+    options += ["--precision", draw(st.sampled_from(
+        ["float64", "float64", "mixed_float16", "mixed_bfloat16"]
+    ))]
+    # Where to kill: (epoch, in validation, 1-based batch).
+    batches = math.ceil(samples / BATCH)
+    place = st.tuples(
+        st.integers(0, EPOCHS - 1), st.just(False), st.integers(1, batches)
+    )
+    if validation:
+        place = place | st.tuples(
+            st.integers(0, EPOCHS - 1), st.just(True),
+            st.integers(1, VALIDATION_BATCHES),
+        )
+    places = sorted(draw(st.lists(place, min_size=1, max_size=2, unique=True)))
+    kills = [
+        f"{'v' if in_validation else ''}{epoch}:{batch}"
+        for epoch, in_validation, batch in places
+    ]
+    return options, kills
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Runs groups of `train.py` runs in `restarts.py --serve`; returns
+    a function of `{group: [argv, ...]}` to the runs' results."""
+    server = subprocess.Popen(
+        [sys.executable, RESTARTS, "--serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+
+    def run(groups):
+        server.stdin.write(json.dumps(groups) + "\n")
+        server.stdin.flush()
+        results = []
+        for line in server.stdout:
+            result = json.loads(line)
+            if result.get("done"):
+                return results
+            results.append(result)
+        raise AssertionError(f"the server ended: {server.wait()}")
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def _weights(path):
+    with np.load(path) as saved:
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+@settings(
+    max_examples=(
+        CI_EXAMPLES if settings.default.max_examples <= 100
+        else settings.default.max_examples // 20
+    ),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(script=scripts())
+def test_killed_script_resumes_exactly(script, runs, tmp_path_factory):
+    options, kills = script
+    note(f"train.py {' '.join(options)}; killed at {kills}")
+    folder = tmp_path_factory.mktemp("script")
+    uninterrupted = folder / "uninterrupted.npz"
+    restarted = [str(folder / "restarted.npz"), str(folder / "backup"),
+                 *options]
+    results = runs({
+        "uninterrupted": [
+            [str(uninterrupted), str(folder / "unused_backup"), *options]
+        ],
+        "restarted": [restarted + ["--kill", kill] for kill in kills]
+        + [restarted],
+    })
+    reference, *killed, resumed = results
+    assert reference["returncode"] == 0, reference["stderr"]
+    for run in killed:
+        # The places come in order: each is after the backup of the
+        # previous run, so each run reaches its place.
+        assert run["returncode"] == -signal.SIGKILL, run["stderr"]
+    assert resumed["returncode"] == 0, resumed["stderr"]
+    out = folder / "restarted.npz"
+    diff = relative_difference(_weights(uninterrupted), _weights(out))
+    record("resumed after SIGKILL (generative)", diff)
+    exact = "--precision" in options and options[
+        options.index("--precision") + 1
+    ] != "float64"
+    assert diff <= (0.0 if exact else 1e-12), f"resumed run differs: {diff:.3g}"
+    logs = [json.loads(p.with_suffix(".json").read_text())
+            for p in (uninterrupted, out)]
+    assert logs[1] == logs[0]
