@@ -48,7 +48,7 @@ def _local_fingerprint(batch):
 class InputPosition:
     """The input's position: recorded while training, resumed at restart.
 
-    `use()` tells it `fit()`'s input; `record()` (in the train step) keeps
+    `start_fit()` and `capture()` tell it `fit()`'s input; `record()` (in the train step) keeps
     the fingerprint of the batch trained on last; `resume()` makes the next
     epoch start where a backup was made: it draws the orders of the epochs
     before it (a reshuffling `tf.data` pipeline then gives the order it
@@ -130,8 +130,18 @@ class InputPosition:
         if not self.remaining:
             return False
         count = min(steps_per_execution, self.remaining)
-        for _ in range(count):
-            batch = getattr(iterator, "get_next", lambda: next(iterator))()
+        get_next = getattr(iterator, "get_next", lambda: next(iterator))
+        for taken in range(count):
+            try:
+                batch = get_next()
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if not taken:
+                    raise  # The epoch ended with the call before.
+                # The input ended inside this call (a backup counts an
+                # epoch of unknown length's last call as ending at its
+                # nominal step): a short call, which returns as Keras'
+                # own does; the next one ends the epoch.
+                self.remaining = 1
             if self._metrics is not None or not compat.metrics_built(model):
                 # Resumed mid-epoch: the epoch's metrics as backed up.
                 compat.build_metrics(model, batch)
@@ -140,6 +150,7 @@ class InputPosition:
             self.remaining -= 1
             if not self.remaining:
                 self._check(batch)
+                break
         return True
 
     def _check(self, batch):

@@ -19,6 +19,7 @@ The `ci` profile (the default) draws a few scripts; `long` searches
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import pytest
 from conftest import record
 from conftest import relative_difference
 from hypothesis import HealthCheck
+from hypothesis import example
 from hypothesis import given
 from hypothesis import note
 from hypothesis import settings
@@ -117,6 +119,32 @@ def runs():
     server.wait(timeout=60)
 
 
+_CRASHES = {}
+
+
+def _assert_exit(run, expected):
+    """Asserts that `run` exited with `expected`; a run that raised is
+    reported as its error, a class per place that raised, so that
+    Hypothesis keeps distinct crashes apart as distinct bugs."""
+    if run["returncode"] == expected:
+        return
+    stderr = run["stderr"]
+    places = re.findall(r'File "([^"]+)", line (\d+)', stderr)
+    error = re.findall(r"^(\w+(?:\.\w+)*): ", stderr, re.M)
+    if run["returncode"] != 1 or not places or not error:
+        raise AssertionError(
+            f"exit code {run['returncode']}, not {expected}: {stderr}"
+        )
+    file, line = places[-1]
+    key = (error[-1], os.path.basename(file), line)
+    if key not in _CRASHES:
+        _CRASHES[key] = type(
+            f"{error[-1].rsplit('.', 1)[-1]}In{key[1]}Line{line}",
+            (AssertionError,), {},
+        )
+    raise _CRASHES[key](f"the run raised: {stderr}")
+
+
 def _weights(path):
     with np.load(path) as saved:
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
@@ -131,6 +159,17 @@ def _weights(path):
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(script=scripts())
+# Found by this test: input of unknown length whose last call of
+# `steps_per_execution` is short, backed up at that call's nominal end and
+# killed in validation; the restart's skip raised at the input's end in
+# the short call, so Keras learned a shorter epoch, the next epochs ended
+# without the failing call that ends the window before validation, and
+# `val_loss` differed (weights equal).
+@example(script=(
+    ["--samples", "52", "--data", "unknown", "--steps", "3", "--validation",
+     "--steps-per-execution", "3", "--save-freq", "1"],
+    ["v0:1"],
+))
 def test_killed_script_resumes_exactly(script, runs, tmp_path_factory):
     options, kills = script
     note(f"train.py {' '.join(options)}; killed at {kills}")
@@ -146,12 +185,12 @@ def test_killed_script_resumes_exactly(script, runs, tmp_path_factory):
         + [restarted],
     })
     reference, *killed, resumed = results
-    assert reference["returncode"] == 0, reference["stderr"]
+    _assert_exit(reference, 0)
     for run in killed:
         # The places come in order: each is after the backup of the
         # previous run, so each run reaches its place.
-        assert run["returncode"] == -signal.SIGKILL, run["stderr"]
-    assert resumed["returncode"] == 0, resumed["stderr"]
+        _assert_exit(run, -signal.SIGKILL)
+    _assert_exit(resumed, 0)
     out = folder / "restarted.npz"
     diff = relative_difference(_weights(uninterrupted), _weights(out))
     record("resumed after SIGKILL (generative)", diff)

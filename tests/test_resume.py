@@ -153,6 +153,15 @@ KILLED_RUNS = {
         ["1:4"],
         [[0, 0, 0], [1, 2, 3]],
     ),
+    # Under `MirroredStrategy` (2 logical CPUs), metrics of each kind,
+    # a pipeline reshuffled every epoch, killed mid-epoch and in validation.
+    "MirroredStrategy, reshuffled pipeline, metrics": (
+        ["--mirrored", "--data", "shuffled", "--metrics", "mae", "mean_iou",
+         "--validation", "--save-freq", "3"],
+        ["0:5", "v1:2"],
+        # Backups after batches 3 of epoch 0 and 6 of epoch 1 (2 pending).
+        [[0, 0, 0], [0, 0, 3], [1, 3, 2]],
+    ),
     "arrays, fit(shuffle=True)": (
         ["--data", "shuffled-arrays", "--save-freq", "3"],
         ["1:5"],

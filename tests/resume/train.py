@@ -68,7 +68,8 @@ class LogStart(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.start = [
-            int(self.model.optimizer.iterations), int(self.model.micro_step)
+            int(self.model.optimizer.iterations.numpy()),
+            int(self.model.micro_step),
         ]
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -127,6 +128,8 @@ def parse(argv):
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--precision", default="float64",
                         choices=["float64", "mixed_float16", "mixed_bfloat16"])
+    parser.add_argument("--mirrored", action="store_true",
+                        help="MirroredStrategy on 2 logical CPUs")
     return parser.parse_args(argv)
 
 
@@ -210,7 +213,18 @@ def main(argv):
         callbacks.append(LogStart(args.log))
     if args.kill:
         callbacks.append(KillAt(args.kill))
-    model = fit(build(args), args, callbacks)
+    if args.mirrored:
+        # Before TensorFlow starts (a forked run's first op comes later).
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            model = build(args)
+    else:
+        model = build(args)
+    model = fit(model, args, callbacks)
     np.savez(args.out, *model.get_weights())
     last = {k: float(v[-1]) for k, v in model.history.history.items()}
     with open(args.out.replace(".npz", ".json"), "w") as f:
