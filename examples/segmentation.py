@@ -169,6 +169,20 @@ def _normalise(image, mask):
     return tf.cast(image, tf.float32) / 255.0, mask
 
 
+def prepare_dataset(args):
+    """Generates (`synthetic_shapes`) or downloads the dataset if it is not
+    there yet.
+
+    `main()` calls it before it seeds the random generators: preparing the
+    dataset may draw random numbers, and the initial weights must not
+    depend on whether the dataset was there already (a run resumed from a
+    backup must find the weights of the run it resumes).
+    """
+    tfds.builder(
+        tfds_name(args.dataset, args.smoke), data_dir=args.data_dir
+    ).download_and_prepare()
+
+
 def load_datasets(args, global_batch_size, val_batch_size=None):
     """Loads train/validation splits as batched, prefetched `tf.data` pipelines.
 
@@ -427,12 +441,13 @@ def build_parser():
         f"{MEMORY['epochs']}; --verbose 0 becomes 2 (the choices are "
         "printed).",
     )
-    return parser
+    return utils.add_backup_flags(parser)
 
 
 def main(argv=None):
     start = time.perf_counter()
     args = build_parser().parse_args(argv)
+    utils.check_backup_flags(args)
     if args.memory_limit_mb:
         # On a CPU the limit must be set before TensorFlow starts: then the
         # run happens in a child process.
@@ -445,6 +460,9 @@ def main(argv=None):
     else:
         args = utils.resolve_settings(args)
     strategy = utils.make_strategy(args.strategy)  # Before any other TF op.
+    # TFDS generates `synthetic_shapes` on first use (a few seconds), before
+    # the seed is set: the weights are the same whether it was there or not.
+    prepare_dataset(args)
     keras.utils.set_random_seed(args.seed)
     if args.mixed_precision != "none":
         keras.mixed_precision.set_global_policy(args.mixed_precision)
@@ -455,7 +473,6 @@ def main(argv=None):
     global_batch = args.batch_size * replicas
     effective_batch = global_batch * args.gradient_accumulation_steps
 
-    # Data: TFDS generates `synthetic_shapes` on first use (a few seconds).
     train_ds, val_ds = load_datasets(
         args, global_batch,
         min(global_batch, MEMORY_VAL_BATCH) if args.memory_limit_mb else None,
@@ -484,6 +501,9 @@ def main(argv=None):
         optimizer = make_optimizer(args, updates_per_epoch)
         compile_model(model, args, num_classes, optimizer)
 
+    # With `--backup-dir`: backups, and the logs of the epochs trained
+    # before a restart.
+    callbacks = utils.backup_callbacks(args.backup_dir, args.save_freq)
     # With a limit: what "auto" prints, and the peak of the train steps.
     log = utils.AutoMicroBatchLog() if memory else None
     with log or contextlib.nullcontext():
@@ -491,10 +511,13 @@ def main(argv=None):
             train_ds,
             validation_data=val_ds,
             epochs=args.epochs,
-            shuffle=False,  # The tf.data pipeline shuffles (with a fixed seed).
-            callbacks=[log] if log else None,
+            # The tf.data pipeline shuffles, with a fixed seed; a restart
+            # replays the orders of the epochs before its backup.
+            shuffle=False,
+            callbacks=callbacks + ([log] if log else []),
             verbose=(args.verbose or 2) if memory else args.verbose,
         ).history
+    history = utils.whole_history(history, callbacks)
 
     results = {
         "val_mean_iou": float(history["val_mean_iou"][-1]),
