@@ -336,7 +336,8 @@ def write_outputs(model, history, val_ds, class_names, output_dir, title,
 SAVE_FREQ = 50
 # Test-only: `EPOCH:BATCH` (from 1, as the progress bar counts) makes the
 # example kill itself with SIGKILL right after that batch of that epoch
-# (after the backup that batch may trigger), as a crash would.
+# (after the backup that batch may trigger), as a crash would; only a
+# `fit()` with `--backup-dir` reads it.
 KILL_AFTER = "KERAS_ACCUM_EXAMPLE_KILL_AFTER"
 HISTORY_FILE = "history.json"
 
@@ -380,7 +381,7 @@ def check_backup_flags(args):
             f"{args.backup_dir} --memory-limit-mb {memory}")
 
 
-def _write_json_atomically(path, value):
+def write_json_atomically(path, value):
     with open(path + ".tmp", "w") as f:
         json.dump(value, f)
         f.flush()
@@ -419,7 +420,7 @@ class EpochLogs(keras.callbacks.Callback):
             k: np.asarray(v).item() for k, v in (logs or {}).items()}
         os.makedirs(os.path.dirname(os.path.abspath(self.path)),
                     exist_ok=True)
-        _write_json_atomically(self.path, self.epochs)
+        write_json_atomically(self.path, self.epochs)
 
     @property
     def history(self):
@@ -462,16 +463,16 @@ def kill_after_from_environment():
 
 def backup_callbacks(backup_dir, save_freq):
     """The callbacks of a resumable `fit()`, in their order: `EpochLogs`
-    and `BackupAndRestore` with `backup_dir` (none without), then the
-    test-only kill of `KERAS_ACCUM_EXAMPLE_KILL_AFTER`."""
-    callbacks = []
-    if backup_dir:
-        callbacks = [
-            EpochLogs(os.path.join(backup_dir, HISTORY_FILE)),
-            keras_accum.callbacks.BackupAndRestore(
-                backup_dir, save_freq=save_freq),
-        ]
-    return callbacks + kill_after_from_environment()
+    and `BackupAndRestore` with `backup_dir`, then the test-only kill of
+    `KERAS_ACCUM_EXAMPLE_KILL_AFTER`; none if `backup_dir` is `None`."""
+    if not backup_dir:
+        return []
+    return [
+        EpochLogs(os.path.join(backup_dir, HISTORY_FILE)),
+        keras_accum.callbacks.BackupAndRestore(backup_dir,
+                                               save_freq=save_freq),
+        *kill_after_from_environment(),
+    ]
 
 
 def whole_history(history, callbacks):

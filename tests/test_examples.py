@@ -199,6 +199,21 @@ def test_segmentation_killed_mid_epoch_resumes_exactly(tmp_path_factory):
     assert resumed == reference  # Exactly: weights, metrics, history.
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--save-freq", "0"], "--save-freq must be an integer >= 1. "
+         "Received: --save-freq 0"),
+        (["--backup-dir", "backup", "--memory-limit-mb", "64"],
+         "--backup-dir cannot be used with --memory-limit-mb.*Received: "
+         "--backup-dir backup --memory-limit-mb 64"),
+    ],
+)
+def test_segmentation_rejects_bad_backup_flags(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        segmentation.main(["--smoke", "--output-dir", str(tmp_path), *flags])
+
+
 def test_pet_trimap_mapping():
     trimap = tf.constant([[[1], [2]], [[3], [0]]], dtype=tf.uint8)
     labels = segmentation._pet_labels(trimap).numpy()[..., 0]
