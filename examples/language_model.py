@@ -71,7 +71,16 @@ python examples/language_model.py --batch-size 4 --gradient-accumulation-steps 8
 python examples/language_model.py --min-length 64   # equal lengths
 python examples/language_model.py --smoke           # tiny, a few seconds
 python examples/language_model.py --memory-limit-mb 48   # bucketed, 48 MiB
+python examples/language_model.py --backup-dir backups/lm  # resumable
 ```
+
+With `--backup-dir DIR`, keras_accum's way is backed up to `DIR` every
+`--save-freq` micro-batches (default 50) and at the end of every epoch
+(`keras_accum.callbacks.BackupAndRestore`), and each way that has finished
+is kept there: killed, the same command run again goes on where it stopped
+and writes the numbers of an uninterrupted run. The plain `keras.Model`
+ways, which keras_accum's callback does not back up, start again from
+their first batch.
 
 It writes `language_model.png` (validation loss per update, and its distance
 to the big batch's) and `language_model.json` to `--output-dir`. The default
