@@ -240,6 +240,8 @@ def main(argv=None):
     )
     args = utils.resolve_settings(parser.parse_args(argv))
     strategy = utils.make_strategy(args.strategy)
+    # Before the seed: the weights do not depend on whether it was there.
+    segmentation.prepare_dataset(args)
     keras.utils.set_random_seed(args.seed)
     if args.mixed_precision != "none":
         keras.mixed_precision.set_global_policy(args.mixed_precision)

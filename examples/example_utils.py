@@ -10,12 +10,15 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+import keras_accum
 
 DATASET_NAMES = ("oxford_iiit_pet", "synthetic_shapes")
 
@@ -322,6 +325,162 @@ def write_outputs(model, history, val_ds, class_names, output_dir, title,
     for name, path in paths.items():
         print(f"Wrote {name}: {path}")
     return paths
+
+
+# ---------------------------------------------------------------------------
+# Resumable runs (`--backup-dir`): backups, the history of the epochs before
+# a restart, and a kill for the tests
+# ---------------------------------------------------------------------------
+
+# Batches between two backups, besides the one at every epoch's end.
+SAVE_FREQ = 50
+# Test-only: `EPOCH:BATCH` (from 1, as the progress bar counts) makes the
+# example kill itself with SIGKILL right after that batch of that epoch
+# (after the backup that batch may trigger), as a crash would; only a
+# `fit()` with `--backup-dir` reads it.
+KILL_AFTER = "KERAS_ACCUM_EXAMPLE_KILL_AFTER"
+HISTORY_FILE = "history.json"
+
+
+def add_backup_flags(parser):
+    """Adds `--backup-dir` and `--save-freq` to `parser`."""
+    parser.add_argument(
+        "--backup-dir",
+        help="Back up training to this folder (keras_accum.callbacks."
+        "BackupAndRestore) every --save-freq batches and at the end of every "
+        "epoch. Killed, the same command run again resumes from the last "
+        "backup and ends with the figures of an uninterrupted run. The "
+        "folder is deleted when training ends.",
+    )
+    parser.add_argument(
+        "--save-freq",
+        type=int,
+        default=SAVE_FREQ,
+        help="With --backup-dir: batches (micro-batches) between backups, "
+        "besides the one at the end of every epoch (default: %(default)s).",
+    )
+    return parser
+
+
+def check_backup_flags(args):
+    """Raises `ValueError` for a `--save-freq` below 1, or `--backup-dir`
+    with `--memory-limit-mb`."""
+    if args.save_freq < 1:
+        raise ValueError("--save-freq must be an integer >= 1. Received: "
+                         f"--save-freq {args.save_freq}")
+    memory = getattr(args, "memory_limit_mb", None)
+    if args.backup_dir and memory:
+        # "auto" finds its micro-batch again in every process, by running
+        # out of memory: a restart trains other micro-batches (other sums,
+        # so not the same weights) and the report of out-of-memory errors
+        # and peaks would be the restart's only.
+        raise ValueError(
+            "--backup-dir cannot be used with --memory-limit-mb: a restarted "
+            "run would choose its micro-batches again and could not end "
+            "with the uninterrupted run's figures. Received: --backup-dir "
+            f"{args.backup_dir} --memory-limit-mb {memory}")
+
+
+def write_json_atomically(path, value):
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+class EpochLogs(keras.callbacks.Callback):
+    """Keeps the logs of every epoch in a JSON file, across restarts.
+
+    After a restart, `fit()`'s `History` only holds the epochs trained since;
+    `history` holds all of them: the epochs of the file that come before
+    the epoch the restart begins with, then the new ones. Every epoch's
+    logs are written before the backup at the end of that epoch (list this
+    callback before `BackupAndRestore`), so a backup never outruns them.
+    """
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+        self.epochs, self._first = {}, True
+
+    def on_train_begin(self, logs=None):
+        self.epochs, self._first = {}, True
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.epochs = {int(k): v for k, v in json.load(f).items()}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._first:  # An epoch trained again is logged again.
+            self._first = False
+            self.epochs = {e: v for e, v in self.epochs.items() if e < epoch}
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs[epoch] = {
+            k: np.asarray(v).item() for k, v in (logs or {}).items()}
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)),
+                    exist_ok=True)
+        write_json_atomically(self.path, self.epochs)
+
+    @property
+    def history(self):
+        """`History.history` of all the epochs: key -> per-epoch values."""
+        epochs = [self.epochs[e] for e in sorted(self.epochs)]
+        keys = dict.fromkeys(k for logs in epochs for k in logs)
+        return {k: [logs[k] for logs in epochs] for k in keys}
+
+
+class KillAfter(keras.callbacks.Callback):
+    """Test-only: kills this process with SIGKILL after batch `batch` of
+    epoch `epoch` (both from 1)."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.epoch, self.batch, self._epoch = epoch - 1, batch - 1, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == (self.epoch, self.batch):
+            print(f"{KILL_AFTER}: killed after batch {batch + 1} of epoch "
+                  f"{self._epoch + 1}.", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_after_from_environment():
+    """`[KillAfter(...)]` if `KERAS_ACCUM_EXAMPLE_KILL_AFTER` is set, else
+    `[]`."""
+    value = os.environ.get(KILL_AFTER)
+    if not value:
+        return []
+    found = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value)
+    if not found or 0 in map(int, found.groups()):
+        raise ValueError(f"{KILL_AFTER} must be EPOCH:BATCH, two integers "
+                         f">= 1. Received: {KILL_AFTER}={value!r}")
+    return [KillAfter(*map(int, found.groups()))]
+
+
+def backup_callbacks(backup_dir, save_freq):
+    """The callbacks of a resumable `fit()`, in their order: `EpochLogs`
+    and `BackupAndRestore` with `backup_dir`, then the test-only kill of
+    `KERAS_ACCUM_EXAMPLE_KILL_AFTER`; none if `backup_dir` is `None`."""
+    if not backup_dir:
+        return []
+    return [
+        EpochLogs(os.path.join(backup_dir, HISTORY_FILE)),
+        keras_accum.callbacks.BackupAndRestore(backup_dir,
+                                               save_freq=save_freq),
+        *kill_after_from_environment(),
+    ]
+
+
+def whole_history(history, callbacks):
+    """`fit()`'s `history`, or, resumable, that of all the epochs."""
+    for callback in callbacks:
+        if isinstance(callback, EpochLogs):
+            return callback.history
+    return history
 
 
 # ---------------------------------------------------------------------------

@@ -71,7 +71,16 @@ python examples/language_model.py --batch-size 4 --gradient-accumulation-steps 8
 python examples/language_model.py --min-length 64   # equal lengths
 python examples/language_model.py --smoke           # tiny, a few seconds
 python examples/language_model.py --memory-limit-mb 48   # bucketed, 48 MiB
+python examples/language_model.py --backup-dir backups/lm  # resumable
 ```
+
+With `--backup-dir DIR`, keras_accum's way is backed up to `DIR` every
+`--save-freq` micro-batches (default 50) and at the end of every epoch
+(`keras_accum.callbacks.BackupAndRestore`), and each way that has finished
+is kept there: killed, the same command run again goes on where it stopped
+and writes the numbers of an uninterrupted run. The plain `keras.Model`
+ways, which keras_accum's callback does not back up, start again from
+their first batch.
 
 It writes `language_model.png` (validation loss per update, and its distance
 to the big batch's) and `language_model.json` to `--output-dir`. The default
@@ -82,6 +91,7 @@ writes `language_model_memory.json` instead (less than a minute).
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -296,14 +306,28 @@ def first_window_differences(args, vocab_size, initial, tokens, optimizer):
 
 class LossAfterEachUpdate(keras.callbacks.Callback):
     """Validation loss at the start and after every update; also how far the
-    weights at the start of training are from `initial`."""
+    weights at the start of training are from `initial`.
 
-    def __init__(self, x, y, micro_batches_per_update, initial):
+    With `path` (`--backup-dir`), it keeps what it recorded in that JSON
+    file. Listed after `BackupAndRestore`, it finds the weights and the
+    optimizer restored at a restart, and goes on from the losses of the
+    updates the backup had made (the model's `optimizer.iterations`: a
+    `GradientAccumulationModel` counts its updates there, and the batches
+    that a restart skips make none).
+    """
+
+    def __init__(self, x, y, micro_batches_per_update, initial, path=None):
         super().__init__()
         self.x, self.y, self.initial = x, y, flat(initial)
         self.micro_batches_per_update = micro_batches_per_update
+        self.path = path
         self.loss = keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, ignore_class=PAD)
+
+    def updates(self):
+        if isinstance(self.model, keras_accum.GradientAccumulationModel):
+            return int(self.model.optimizer.iterations.numpy())
+        return self.micro_batches // self.micro_batches_per_update
 
     def on_train_begin(self, logs=None):
         def validation_loss():
@@ -311,29 +335,56 @@ class LossAfterEachUpdate(keras.callbacks.Callback):
 
         self.validation_loss = (validation_loss if self.model.run_eagerly
                                 else tf.function(validation_loss))
+        self.micro_batches = 0
+        if self.path and os.path.exists(self.path):  # Resumed.
+            with open(self.path) as f:
+                saved = json.load(f)
+            self.start_gap = saved["start_gap"]
+            self.losses = saved["losses"][: self.updates() + 1]
+            return
         self.start_gap = float(np.max(np.abs(
             flat(self.model.weights) - self.initial)))
-        self.losses, self.micro_batches = [float(self.validation_loss())], 0
+        self.losses = [float(self.validation_loss())]
+        self.save()
 
     def on_train_batch_end(self, batch, logs=None):
         self.micro_batches += 1
-        if self.micro_batches % self.micro_batches_per_update == 0:
+        if self.updates() >= len(self.losses):
             self.losses.append(float(self.validation_loss()))
+            self.save()
+
+    def save(self):
+        if self.path:
+            utils.write_json_atomically(
+                self.path, {"start_gap": self.start_gap,
+                            "losses": self.losses})
 
 
 def train(way, args, vocab_size, initial, train_tokens, val_tokens):
+    """Trains one way; with `--backup-dir`, keras_accum's way is backed up
+    to a folder of its own there (the plain `keras.Model`s of the other
+    ways start again from the beginning if killed)."""
     model = build_model(way, args, vocab_size)
     model.set_weights(initial)
     compile_model(model, way, args, run_eagerly=args.run_eagerly)
+    backup = (os.path.join(args.backup_dir, way)
+              if args.backup_dir and way == "keras_accum" else None)
+    callbacks = utils.backup_callbacks(backup, args.save_freq)
     recorder = LossAfterEachUpdate(
         *inputs_and_targets(val_tokens),
-        1 if way == "big_batch" else args.steps, initial)
+        1 if way == "big_batch" else args.steps, initial,
+        path=backup and os.path.join(backup, "val_loss_per_update.json"))
+    # The recorder after `BackupAndRestore`, the test-only kill last.
+    callbacks[2:2] = [recorder]
     start = time.perf_counter()
     history = model.fit(
         make_dataset(train_tokens, batch_size(way, args), args.seed),
-        epochs=args.epochs, callbacks=[recorder], verbose=args.verbose,
+        epochs=args.epochs, callbacks=callbacks, verbose=args.verbose,
         shuffle=False,  # The pipeline shuffles, with a fixed seed.
     ).history
+    history = utils.whole_history(history, callbacks)
+
+
     return {
         "batch_size": batch_size(way, args),
         "updates": len(recorder.losses) - 1,
@@ -447,8 +498,10 @@ def result_of_child(args, code):
 
 def main(argv=None):
     start = time.perf_counter()
-    parser = lm_utils.build_parser(utils.docstring_title(__doc__))
+    parser = utils.add_backup_flags(
+        lm_utils.build_parser(utils.docstring_title(__doc__)))
     args = lm_utils.resolve(parser.parse_args(argv))
+    utils.check_backup_flags(args)
     if args.memory_limit_mb:
         # On a CPU the limit must be set before TensorFlow starts: then the
         # run happens in a child process.
@@ -493,14 +546,28 @@ def main(argv=None):
     print("\nFirst window, relative difference of the total weight update to "
           f"the big batch's (float64):\n\n{table}\n")
 
-    runs = {}
+    # With `--backup-dir`, the ways trained to their end before a restart
+    # are kept there, and not trained again.
+    runs, finished = {}, None
+    if args.backup_dir:
+        finished = os.path.join(args.backup_dir, "finished_runs.json")
+        if os.path.exists(finished):
+            with open(finished) as f:
+                runs = json.load(f)
     for way in WAYS:
-        print(f"Training: {lm_utils.labels(args, 'Adam')[way]} ...",
-              flush=True)
+        label = lm_utils.labels(args, 'Adam')[way]
+        if way in runs:
+            print(f"Trained before the restart: {label}.")
+            continue
+        print(f"Training: {label} ...", flush=True)
         runs[way] = train(way, args, len(vocabulary), initial, train_tokens,
                           val_tokens)
         print(f"  {runs[way]['updates']} updates, final validation loss "
               f"{runs[way]['val_loss_per_update'][-1]:.4f}")
+        if finished:
+            os.makedirs(args.backup_dir, exist_ok=True)
+            utils.write_json_atomically(finished, runs)
+    runs = {way: runs[way] for way in WAYS}
 
     figure = lm_utils.plot(
         runs, args, os.path.join(args.output_dir, "language_model.png"))
@@ -517,6 +584,8 @@ def main(argv=None):
     numbers = os.path.join(args.output_dir, "language_model.json")
     with open(numbers, "w") as f:
         json.dump(results, f, indent=2)
+    if args.backup_dir:  # Training has ended: as `BackupAndRestore` does.
+        shutil.rmtree(args.backup_dir, ignore_errors=True)
     print(f"Wrote figure: {figure}\nWrote numbers: {numbers}\n"
           f"Wall time: {results['wall_time_s']:.1f} s")
     return {**results, "table": table, "figure": figure, "json": numbers}

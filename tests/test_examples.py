@@ -98,20 +98,69 @@ def test_synthetic_shapes_loads_through_tfds(data_dir):
 # ---------------------------------------------------------------------------
 
 
-def test_segmentation_smoke(data_dir, tmp_path):
-    result = segmentation.main(
-        [
-            "--smoke",
-            "--data-dir",
-            data_dir,
-            "--output-dir",
-            str(tmp_path),
-            "--verbose",
-            "0",
-        ]
+# `--smoke` trains 2 epochs of 6 micro-batches (24 examples in micro-batches
+# of 4), two per update. Killed after batch 5 of epoch 2 with backups every
+# 3 batches, the last backup is the one after batch 3 of epoch 2: in the
+# middle of a window, with epoch 1's order to replay at the restart.
+KILL_AFTER = "2:5"
+SAVE_FREQ = "3"
+
+
+def start_segmentation_runs(tmp_path_factory):
+    """Starts, in the background with the first test, `segmentation.py
+    --smoke` three times, one after the other, each in a process of its own:
+    uninterrupted (without `--backup-dir`, the reference; it generates
+    `synthetic_shapes/small` in `data/`), then with `--backup-dir`, killed
+    by `KERAS_ACCUM_EXAMPLE_KILL_AFTER`, then the same command again. The
+    killed run finds the dataset generated: had the initial weights depended
+    on that, it could not end with the reference's figures. Each run writes
+    its output to `<name>.out` in the run's folder, and the killed one its
+    exit status to `killed.returncode`."""
+    script = (
+        'py=$1; example=$2; folder=$3; kill=$4; freq=$5\n'
+        'run() { name=$1; shift; "$py" "$example" --smoke --verbose 2 '
+        '--data-dir "$folder/data" "$@" > "$folder/$name.out" 2>&1; }\n'
+        'resumable() { run "$1" --output-dir "$folder/resumed" '
+        '--backup-dir "$folder/backup" --save-freq "$freq"; }\n'
+        'run uninterrupted --output-dir "$folder/uninterrupted" || exit 1\n'
+        '(export KERAS_ACCUM_EXAMPLE_KILL_AFTER="$kill"; resumable killed)\n'
+        'echo $? > "$folder/killed.returncode"\n'
+        'ls "$folder/backup" > "$folder/backup.listing"\n'
+        'resumable restarted\n'
     )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KERAS_ACCUM_EXAMPLE_KILL_AFTER", None)
+    return start(
+        tmp_path_factory, "segmentation_killed",
+        lambda folder: [
+            "sh", "-c", script, "sh", sys.executable,
+            os.path.join(EXAMPLES, "segmentation.py"), str(folder),
+            KILL_AFTER, SAVE_FREQ,
+        ],
+        env,
+    )
+
+
+def _segmentation_runs(tmp_path_factory):
+    run = start_segmentation_runs(tmp_path_factory)
+    proc = run.wait()
+    outputs = {
+        name: (run.folder / f"{name}.out").read_text()
+        for name in ("uninterrupted", "killed", "restarted")
+        if (run.folder / f"{name}.out").exists()
+    }
+    assert proc.returncode == 0, (proc.stderr[-3000:], outputs)
+    return run.folder, outputs
+
+
+@pytest.mark.background(start=start_segmentation_runs)
+def test_segmentation_smoke(tmp_path_factory):
+    folder, _ = _segmentation_runs(tmp_path_factory)
+    output = folder / "uninterrupted"
     for name in ("predictions", "training_curves"):
-        assert_png(result["paths"][name])
+        assert_png(output / f"{name}.png")
+    with open(output / "metrics.json") as f:
+        result = json.load(f)
     assert (
         math.isfinite(result["val_mean_iou"])
         and 0.0 <= result["val_mean_iou"] <= 1.0
@@ -119,10 +168,50 @@ def test_segmentation_smoke(data_dir, tmp_path):
     assert math.isfinite(result["val_loss"])
     # 24 examples in micro-batches of 4, two per update: 3 updates per epoch.
     assert result["optimizer_updates"] == 3 * 2
-    with open(result["paths"]["metrics"]) as f:
-        assert json.load(f)["val_mean_iou"] == pytest.approx(
-            result["val_mean_iou"]
-        )
+    assert len(result["history"]["val_mean_iou"]) == 2
+    assert result["history"]["val_mean_iou"][-1] == result["val_mean_iou"]
+
+
+@pytest.mark.background(start=start_segmentation_runs)
+def test_segmentation_killed_mid_epoch_resumes_exactly(tmp_path_factory):
+    folder, outputs = _segmentation_runs(tmp_path_factory)
+    # SIGKILL: the shell reports 128 + 9. The backup it left was made
+    # after batch 3 of epoch 2 (epoch index 1), mid-window.
+    assert (folder / "killed.returncode").read_text().strip() == "137"
+    assert "killed after batch 5 of epoch 2" in outputs["killed"]
+    assert "Epoch 1/2" in outputs["killed"]
+    assert (folder / "backup.listing").read_text().startswith("backup-1-3-")
+    # The restart began in epoch 2, from the backup.
+    assert "Epoch 1/2" not in outputs["restarted"], outputs["restarted"]
+    assert "Epoch 2/2" in outputs["restarted"]
+    assert not (folder / "backup").exists()  # Deleted at the end.
+
+    def figures(name):
+        with open(folder / name / "metrics.json") as f:
+            metrics = json.load(f)
+        # This process's time, and the flags (other folders) differ.
+        del metrics["wall_time_s"], metrics["args"]
+        return metrics
+
+    reference, resumed = figures("uninterrupted"), figures("resumed")
+    # The History of both epochs: the one before the restart kept.
+    assert len(resumed["history"]["loss"]) == 2
+    assert resumed == reference  # Exactly: weights, metrics, history.
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--save-freq", "0"], "--save-freq must be an integer >= 1. "
+         "Received: --save-freq 0"),
+        (["--backup-dir", "backup", "--memory-limit-mb", "64"],
+         "--backup-dir cannot be used with --memory-limit-mb.*Received: "
+         "--backup-dir backup --memory-limit-mb 64"),
+    ],
+)
+def test_segmentation_rejects_bad_backup_flags(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        segmentation.main(["--smoke", "--output-dir", str(tmp_path), *flags])
 
 
 def test_pet_trimap_mapping():

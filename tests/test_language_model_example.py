@@ -88,6 +88,10 @@ def test_language_model_smoke(tmp_path):
         (["--batch-size", "0"], "positive integer"),
         (["--min-length", "10", "--max-length", "5"], "--max-length"),
         (["--num-sequences", "4"], "one window"),
+        (["--save-freq", "0"], "--save-freq must be an integer >= 1"),
+        # "auto" would choose its micro-batches again after a restart.
+        (["--backup-dir", "backup", "--memory-limit-mb", "48"],
+         "--backup-dir cannot be used with --memory-limit-mb"),
     ],
 )
 def test_language_model_rejects_bad_flags(flags, message, tmp_path):
