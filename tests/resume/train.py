@@ -13,6 +13,10 @@ restore, as a JSON line `[epoch, updates, pending micro-batches]`. A run that
 ends writes the final weights to OUT_FILE (`.npz`) and its last epoch's logs
 to OUT_FILE with `.json` for `.npz`. `--metrics` compiles metrics (`mae`,
 `accuracy`, `mean_iou`: the mean IoU of the signs of output and target).
+`--term EPOCH:BATCH` sends SIGTERM to the process as that train batch
+starts (`--save-before-preemption` has the callback back up and exit with
+its `PREEMPTION_EXIT_CODE`); `--multi-worker` trains under
+`MultiWorkerMirroredStrategy` (one of the workers that `TF_CONFIG` names).
 """
 
 import argparse
@@ -55,6 +59,22 @@ class KillAt(keras.callbacks.Callback):
 
     def on_test_batch_end(self, batch, logs=None):
         self._kill_at(batch, True)
+
+
+class TermAt(keras.callbacks.Callback):
+    """SIGTERM to this process as train batch `EPOCH:BATCH` (1-based)
+    starts: it arrives during that batch."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.at, self.epoch = tuple(map(int, spec.split(":"))), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class LogStart(keras.callbacks.Callback):
@@ -121,6 +141,12 @@ def parse(argv):
     parser.add_argument("--metrics", nargs="*", default=[],
                         choices=["mae", "accuracy", "mean_iou"])
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    # Preemption and several workers.
+    parser.add_argument("--term", help="EPOCH:BATCH: SIGTERM to itself "
+                        "as that train batch (1-based) starts")
+    parser.add_argument("--save-before-preemption", action="store_true")
+    parser.add_argument("--multi-worker", action="store_true",
+                        help="MultiWorkerMirroredStrategy (TF_CONFIG)")
     return parser.parse_args(argv)
 
 
@@ -193,17 +219,26 @@ def main(argv):
     args = parse(argv)
     save_freq = args.save_freq
     save_freq = save_freq if save_freq == "epoch" else int(save_freq)
+    strategy = (
+        tf.distribute.MultiWorkerMirroredStrategy() if args.multi_worker
+        else tf.distribute.get_strategy()
+    )
     callbacks = [
         keras_accum.callbacks.BackupAndRestore(
             args.backup_dir, save_freq,
             double_checkpoint=args.double_checkpoint,
+            save_before_preemption=args.save_before_preemption,
         )
     ]
     if args.log:
         callbacks.append(LogStart(args.log))
     if args.kill:
         callbacks.append(KillAt(args.kill))
-    model = fit(build(args), args, callbacks)
+    if args.term:
+        callbacks.append(TermAt(args.term))
+    with strategy.scope():
+        model = build(args)
+    model = fit(model, args, callbacks)
     np.savez(args.out, *model.get_weights())
     last = {k: float(v[-1]) for k, v in model.history.history.items()}
     with open(args.out.replace(".npz", ".json"), "w") as f:
