@@ -13,8 +13,10 @@ import tensorflow as tf
 def workers(strategy):
     """`(index, count)` of this worker among the job's workers: `(0, 1)`
     in one process (no strategy, or one worker)."""
-    extended = getattr(strategy, "extended", None)
-    devices = getattr(extended, "worker_devices", None)
+    try:
+        devices = strategy.extended.worker_devices
+    except (AttributeError, RuntimeError):  # The default strategy: none.
+        devices = None
     if not devices or strategy.num_replicas_in_sync <= len(devices):
         return 0, 1
     count = strategy.num_replicas_in_sync // len(devices)

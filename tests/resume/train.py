@@ -86,7 +86,8 @@ class LogStart(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.start = [
-            int(self.model.optimizer.iterations), int(self.model.micro_step)
+            int(np.asarray(self.model.optimizer.iterations)),
+            int(np.asarray(self.model.micro_step)),
         ]
 
     def on_epoch_begin(self, epoch, logs=None):
