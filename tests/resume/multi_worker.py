@@ -12,7 +12,8 @@ TensorFlow op (`forking.py`). One after the other:
   batch 3 of epoch 1 (mid-window); worker 0, left waiting for it, is then
   killed too;
 - `preempted`: both restarted with `--save-before-preemption`; worker 1
-  sends itself SIGTERM as batch 2 of epoch 2 starts: both back up there and
+  sends itself SIGTERM as batch 3 of epoch 2 starts (between two
+  `save_freq` points): both back up there and
   exit with `BackupAndRestore.PREEMPTION_EXIT_CODE`;
 - `resumed`: both restarted, to the end.
 
@@ -44,7 +45,7 @@ RUNS = {
     "killed": ("backup", [], ["--kill", "1:3"]),
     "preempted": (
         "backup", ["--save-before-preemption"],
-        ["--save-before-preemption", "--term", "2:2"],
+        ["--save-before-preemption", "--term", "2:3"],
     ),
     "resumed": ("backup", ["--save-before-preemption"],
                 ["--save-before-preemption"]),
