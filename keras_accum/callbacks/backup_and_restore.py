@@ -39,7 +39,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             run; it is created at the start of `fit()`.
         save_freq: `"epoch"` (default), to back up at the end of every
             epoch; an int >= 1, to back up every `save_freq` batches too; or
-            `False`, to only restore an existing backup.
+            `False`, to only restore an existing backup (and back up on
+            SIGTERM with `save_before_preemption=True`).
         double_checkpoint: bool. If `True`, the previous backup is kept too,
             to restore if the newest is damaged. Defaults to `False`.
         delete_checkpoint: bool. If `True` (default) the folder is deleted
