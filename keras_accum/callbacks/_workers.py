@@ -4,6 +4,7 @@ with several workers" and "Preemption")."""
 
 import signal
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -13,29 +14,13 @@ import tensorflow as tf
 def workers(strategy):
     """`(index, count)` of this worker among the job's workers: `(0, 1)`
     in one process (no strategy, or one worker)."""
-    try:
-        devices = strategy.extended.worker_devices
-    except (AttributeError, RuntimeError):  # The default strategy: none.
-        devices = None
-    if not devices or strategy.num_replicas_in_sync <= len(devices):
-        return 0, 1
-    count = strategy.num_replicas_in_sync // len(devices)
-    index = local_replica_ids(strategy)[0] // len(devices)
-    return index, count
-
-
-def is_chief(strategy):
-    """Whether this worker writes the job's backups: the first worker (the
-    replicas with the lowest ids, as tf.keras' "chief")."""
-    return workers(strategy)[0] == 0
+    job = _job(strategy)
+    return job.index, job.count
 
 
 def local_replica_ids(strategy):
     """The ids in the sync group of this worker's replicas, in order."""
-    ids = strategy.experimental_distribute_values_from_function(
-        lambda context: tf.constant(context.replica_id_in_sync_group)
-    )
-    return [int(v) for v in strategy.experimental_local_results(ids)]
+    return list(_job(strategy).ids)
 
 
 def gather(strategy, local):
@@ -43,20 +28,38 @@ def gather(strategy, local):
     (one float64 vector per local replica, of the same length on every
     worker): one all-gather over the workers, a float64 array of shape
     `[replicas, length]`. All workers must call it at the same point."""
-    local = [np.asarray(v, np.float64).reshape(-1) for v in local]
-    if workers(strategy)[1] == 1:
-        return np.stack(local)
-    return _all_gather(strategy)(tf.constant(np.stack(local))).numpy()
+    local = np.stack([np.asarray(v, np.float64).reshape(-1) for v in local])
+    job = _job(strategy)
+    if job.count == 1:
+        return local
+    return job.all_gather(tf.constant(local)).numpy()
 
 
-_GATHERS = weakref.WeakKeyDictionary()
+_JOBS = weakref.WeakKeyDictionary()
 
 
-def _all_gather(strategy):
-    """A function (traced once per strategy) from this worker's rows,
-    `[local replicas, length]`, to all replicas' rows."""
-    if strategy not in _GATHERS:
-        first = local_replica_ids(strategy)[0]
+def _job(strategy):
+    """What this worker is in `strategy`'s job (found once per strategy):
+    `index`, `count`, `ids` and, with several workers, `all_gather`, a
+    function (traced once) from this worker's rows, `[local replicas,
+    length]`, to all replicas' rows."""
+    if strategy in _JOBS:
+        return _JOBS[strategy]
+    try:
+        devices = strategy.extended.worker_devices
+    except (AttributeError, RuntimeError):  # The default strategy: none.
+        devices = None
+    job = types.SimpleNamespace(index=0, count=1, ids=(0,), all_gather=None)
+    if devices and strategy.num_replicas_in_sync > len(devices):
+        ids = strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(context.replica_id_in_sync_group)
+        )
+        job.ids = tuple(
+            int(v) for v in strategy.experimental_local_results(ids)
+        )
+        job.count = strategy.num_replicas_in_sync // len(devices)
+        job.index = job.ids[0] // len(devices)
+        first = job.ids[0]
 
         def row_of_replica(rows):
             context = tf.distribute.get_replica_context()
@@ -70,17 +73,19 @@ def _all_gather(strategy):
             result = strategy.run(row_of_replica, args=(rows,))
             return strategy.experimental_local_results(result)[0]
 
-        _GATHERS[strategy] = all_gather
-    return _GATHERS[strategy]
+        job.all_gather = all_gather
+    if strategy is not None:
+        _JOBS[strategy] = job
+    return job
 
 
 def any_worker(strategy, flag):
     """Whether `flag` is true on any worker (a one-number all-gather with
     several workers; `flag` itself in one process)."""
-    if workers(strategy)[1] == 1:
+    job = _job(strategy)
+    if job.count == 1:
         return bool(flag)
-    replicas = len(local_replica_ids(strategy))
-    return bool(np.any(gather(strategy, [[float(flag)]] * replicas)))
+    return bool(np.any(gather(strategy, [[float(flag)]] * len(job.ids))))
 
 
 def barrier(strategy):
