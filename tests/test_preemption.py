@@ -24,6 +24,7 @@ from background import start
 from conftest import record
 from conftest import relative_difference
 
+import keras_accum
 from keras_accum.callbacks import BackupAndRestore
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "resume", "train.py")
@@ -93,7 +94,7 @@ class _Handler(keras.callbacks.Callback):
 def _fit(callbacks):
     x, y = np.ones((8, 2)), np.ones((8, 1))
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model = __import__("keras_accum").GradientAccumulationModel.from_model(
+    model = keras_accum.GradientAccumulationModel.from_model(
         model, gradient_accumulation_steps=2
     )
     model.compile(optimizer="sgd", loss="mse")
