@@ -6,18 +6,50 @@ import warnings
 import numpy as np
 
 from keras_accum._tf_utils import per_replica_values
+from keras_accum.callbacks._workers import gather
+from keras_accum.callbacks._workers import workers
 from keras_accum.batch_norm import combine_moments
 
 # Keys: `keras_accum:<part>:<name>:<replica>`, beside Keras' numbered ones.
 _PREFIX = "keras_accum:"
 
 
-def save(parts, store):
-    """Writes each part's `state()`, one value per replica, to `store`."""
+def save(parts, store, strategy=None):
+    """Writes each part's `state()`, one value per replica of the job, to
+    `store`. With several workers (`strategy`), each holds its own
+    replicas' values: they are gathered from all workers (one all-gather,
+    which every worker must join)."""
+    names, values = [], []
     for part, obj in parts.items():
         for name, variable in obj.state().items():
-            for r, value in enumerate(per_replica_values(variable)):
-                store[f"{_PREFIX}{part}:{name}:{r}"] = value
+            names.append(f"{_PREFIX}{part}:{name}")
+            values.append(per_replica_values(variable))
+    if strategy is not None and workers(strategy)[1] > 1 and values:
+        values = _gathered(strategy, values)
+    for key, per_replica in zip(names, values):
+        for r, value in enumerate(per_replica):
+            store[f"{key}:{r}"] = value
+
+
+def _gathered(strategy, values):
+    """`values` (per variable, this worker's per-replica arrays) for all
+    replicas of the job: packed into one float64 row per replica, which
+    holds the counters, flags and float32 buffers exactly."""
+    local = [
+        np.concatenate([np.ravel(v[r]).astype(np.float64) for v in values])
+        for r in range(len(values[0]))
+    ]
+    rows = gather(strategy, local)
+    result, start = [], 0
+    for per_replica in values:
+        like = per_replica[0]
+        end = start + like.size
+        result.append([
+            row[start:end].reshape(like.shape).astype(like.dtype)
+            for row in rows
+        ])
+        start = end
+    return result
 
 
 def load(parts, store, replicas):

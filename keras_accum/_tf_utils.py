@@ -37,7 +37,20 @@ def components(value):
 
 
 def assign_per_replica(variable, values):
-    for component, value in zip(components(variable), values):
+    """Assigns `values` (one per replica) to `variable`'s components: with
+    several workers, those of this worker's replicas ids out of all."""
+    parts = components(variable)
+    if len(values) > len(parts) > 0 and isinstance(
+        variable, tf.distribute.DistributedValues
+    ):
+        strategy = variable.distribute_strategy
+        if len(values) == strategy.num_replicas_in_sync:
+            ids = strategy.experimental_distribute_values_from_function(
+                lambda context: tf.constant(context.replica_id_in_sync_group)
+            )
+            local = strategy.experimental_local_results(ids)
+            values = [values[int(i)] for i in local]
+    for component, value in zip(parts, values):
         component.assign(value)
 
 

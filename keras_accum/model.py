@@ -862,7 +862,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def save_own_variables(self, store):
         """Saves the model's own variables and its pending window."""
         super().save_own_variables(store)
-        saved_window.save(self._saved_parts(), store)
+        saved_window.save(
+            self._saved_parts(), store, self.distribute_strategy
+        )
 
     def load_own_variables(self, store):
         """Loads what `save_own_variables` saved (no window: an empty one)."""

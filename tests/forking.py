@@ -16,8 +16,9 @@ from tensorflow.python.eager import context
 def fork(function, stderr_path):
     """Calls `function()` in a forked child; returns the child's pid.
 
-    The child's stderr goes to `stderr_path`; it exits with 0, or with 1
-    (the traceback in its stderr) if `function` raised. Forking is safe
+    The child's stderr goes to `stderr_path`; it exits with 0, with the
+    code of a `SystemExit` that `function` raised, or with 1 (the
+    traceback in its stderr) if it raised another exception. Forking is safe
     only before TensorFlow's runtime (and its threads) started: no
     TensorFlow op may have run in this process.
     """
@@ -32,6 +33,10 @@ def fork(function, stderr_path):
         with open(stderr_path, "w") as stderr:
             os.dup2(stderr.fileno(), 2)
         function()
+    except SystemExit as exit:  # `sys.exit(code)`: that status
+        code = exit.code if isinstance(exit.code, int) else int(
+            exit.code is not None
+        )
     except BaseException:
         traceback.print_exc()
         code = 1

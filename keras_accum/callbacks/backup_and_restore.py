@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from keras_accum import _keras_compat as compat
+from keras_accum.callbacks import _workers
 
 _LATEST = "latest"
 _WEIGHTS = "model.weights.h5"
@@ -38,7 +39,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             run; it is created at the start of `fit()`.
         save_freq: `"epoch"` (default), to back up at the end of every
             epoch; an int >= 1, to back up every `save_freq` batches too; or
-            `False`, to only restore an existing backup.
+            `False`, to only restore an existing backup (and back up on
+            SIGTERM with `save_before_preemption=True`).
         double_checkpoint: bool. If `True`, the previous backup is kept too,
             to restore if the newest is damaged. Defaults to `False`.
         delete_checkpoint: bool. If `True` (default) the folder is deleted
@@ -47,6 +49,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             from the backed-up run's at the backup's position (another
             dataset, or an order that is not the same in every run) raises;
             if `False`, it warns and resumes.
+        save_before_preemption: bool. If `True`, SIGTERM (what a cluster
+            sends before it preempts a job) does not end the process at
+            once: the train call in progress finishes, a backup is made at
+            that exact batch (with several workers, at the same batch on
+            all, the first one any of them sees the signal after), and the
+            process exits with status `PREEMPTION_EXIT_CODE` (42), to be
+            restarted with the same command. The previous SIGTERM handler
+            is put back at the end of `fit()`. Defaults to `False`.
+
+    With several workers (`tf.distribute.MultiWorkerMirroredStrategy`),
+    all of them use the same `backup_dir`, on a file system that they all
+    see: the first worker (the chief) writes the backups, the others
+    write theirs to temporary folders that they delete, and every worker
+    restores the chief's. A restart needs all the workers restarted.
 
     Raises:
         ValueError: for an invalid argument; at the start of `fit()`, if the
@@ -54,7 +70,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             cannot be written to, if no backup in it can be restored, or if
             the backup is past the end of an epoch of this `fit()`; in the
             first train step, if the input differs from the backed-up one
-            (with `strict=True`).
+            (with `strict=True`); at the start of `fit()` with
+            `save_before_preemption=True`, if it runs in another thread than
+            the main one.
+        SystemExit: with `save_before_preemption=True`, after the backup
+            that SIGTERM asked for; its code is `PREEMPTION_EXIT_CODE`.
 
     Example:
 
@@ -66,6 +86,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     ```
     """
 
+    # The exit status of a process that backed up on SIGTERM.
+    PREEMPTION_EXIT_CODE = 42
+
     def __init__(
         self,
         backup_dir,
@@ -73,6 +96,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         double_checkpoint=False,
         delete_checkpoint=True,
         strict=True,
+        save_before_preemption=False,
     ):
         super().__init__()
         if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
@@ -96,6 +120,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             ("double_checkpoint", double_checkpoint),
             ("delete_checkpoint", delete_checkpoint),
             ("strict", strict),
+            ("save_before_preemption", save_before_preemption),
         ):
             if not isinstance(value, bool):
                 raise ValueError(
@@ -107,6 +132,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
         self.strict = strict
+        self.save_before_preemption = save_before_preemption
+        self._sigterm = _workers.Sigterm()
+        self._worker, self._workers, self._strategy = 0, 1, None
+        self._backed_up_at = None
         self._epoch = self._batches_in_epoch = self._resume_at = 0
         self._since_backup = 0
         self._previous = None  # the folder `double_checkpoint` keeps
@@ -120,7 +149,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"type {type(self.model).__name__}"
             )
         folder = self.backup_dir
-        if self.save_freq is not False:
+        self._strategy = self.model.distribute_strategy
+        self._worker, self._workers = _workers.workers(self._strategy)
+        writes = self.save_freq is not False or self.save_before_preemption
+        if writes and self._worker == 0:
             try:
                 os.makedirs(folder, exist_ok=True)
                 with tempfile.TemporaryFile(dir=folder):
@@ -137,7 +169,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`backup_dir` must be a folder, but it is a file. "
                 f"Received: backup_dir={folder!r}"
             )
-        self._previous = None
+        if self._workers > 1:
+            # The chief made the folder: now every worker may read it.
+            _workers.barrier(self._strategy)
+        self._previous = self._backed_up_at = None
         position = self._restore()
         self._epoch = position["epoch"] if position else 0
         self._resume_at = position["batches"] if position else 0
@@ -157,10 +192,23 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._epoch,
                 self._resume_at,
                 metrics=position.get("metrics"),
-                expected=position.get("fingerprint"),
+                expected=self._fingerprint(position),
                 where=f"batch {self._resume_at} of epoch {self._epoch}",
                 strict=self.strict,
             )
+        if self.save_before_preemption:
+            self._sigterm.install()
+
+    def _fingerprint(self, position):
+        """The fingerprint of the last batch that this worker trained on
+        before the backup (each worker reads its own part of the input),
+        or `None` if the backup has none for it."""
+        per_worker = position.get("worker_fingerprints")
+        if per_worker is not None:
+            if len(per_worker) == self._workers:
+                return per_worker[self._worker]
+            return None
+        return position.get("fingerprint") if self._workers == 1 else None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_in_epoch = epoch, 0
@@ -177,17 +225,38 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._since_backup += seen
             if self._every_batches and self._since_backup >= self.save_freq:
                 self._backup(self._epoch, self._batches_in_epoch)
+            # Not while skipping the batches before a restored backup: the
+            # same decision on every worker.
+            self._exit_if_preempted(self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         self._resume_at = 0
         if self.save_freq is not False:
             self._backup(epoch + 1, 0)
+        self._exit_if_preempted(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
+        self._sigterm.uninstall()
         compat.set_initial_epoch(self.model, None)
         self.model.input_position.reset()
-        if self.delete_checkpoint and os.path.isdir(self.backup_dir):
+        if (
+            self.delete_checkpoint
+            and self._worker == 0
+            and os.path.isdir(self.backup_dir)
+        ):
             shutil.rmtree(self.backup_dir)
+
+    def _exit_if_preempted(self, epoch, batches):
+        """Backs up at `(epoch, batches)` and exits if any worker was sent
+        SIGTERM (`save_before_preemption`)."""
+        if not self.save_before_preemption or not _workers.any_worker(
+            self._strategy, self._sigterm.seen
+        ):
+            return
+        if self._backed_up_at != (epoch, batches):
+            self._backup(epoch, batches)
+        self._sigterm.uninstall()
+        raise SystemExit(self.PREEMPTION_EXIT_CODE)
 
     def _seed_variables(self):
         """The `SeedGenerator` states: `model.variables` less weights."""
@@ -197,7 +266,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _backup(self, epoch, batches):
         """Writes a complete backup, then points `latest` at it."""
         self._since_backup = 0
-        root = self.backup_dir
+        self._backed_up_at = (epoch, batches)
+        chief = self._worker == 0
+        root = self.backup_dir if chief else tempfile.mkdtemp()
         name = f"backup-{epoch}-{batches}-{os.getpid()}-{time.time_ns()}"
         folder = os.path.join(root, name)
         os.makedirs(folder)
@@ -214,7 +285,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 for v in self.model.metrics_variables
             ]
             fingerprint = self.model.input_position.recorded()
-            if fingerprint is not None:
+            if self._workers > 1 and fingerprint is not None:
+                # Each worker's own (every worker gathers them).
+                local = len(_workers.local_replica_ids(self._strategy))
+                rows = _workers.gather(self._strategy, [fingerprint] * local)
+                position["worker_fingerprints"] = rows[::local].tolist()
+            elif fingerprint is not None:
                 position["fingerprint"] = fingerprint
         position["seed_generators"] = [
             np.asarray(v.numpy()).tolist() for v in self._seed_variables()
@@ -223,6 +299,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         if generator is not None:
             state = np.asarray(generator.state.numpy()).tolist()
             position["global_seed_generator"] = state
+        if not chief:
+            # Its part of the collective reads done, nothing to keep.
+            shutil.rmtree(root, ignore_errors=True)
+            _workers.barrier(self._strategy)
+            return
         # Written last: a folder with a `position.json` is complete.
         _write_atomically(os.path.join(folder, _POSITION), json.dumps(position))
         _write_atomically(os.path.join(root, _LATEST), name)
@@ -232,6 +313,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         for entry in os.listdir(root):
             if _FOLDER.fullmatch(entry) and entry not in keep:
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        if self._workers > 1:
+            # Nobody goes on (and may be stopped) before the backup is whole.
+            _workers.barrier(self._strategy)
 
     def _restore(self):
         """Loads the newest intact backup; returns its position."""
@@ -409,13 +493,18 @@ def _read_position(path):
             f"numbers. Received: metrics={metrics!r}"
         )
     fingerprint = position.get("fingerprint")
-    if fingerprint is not None and not (
-        isinstance(fingerprint, list) and len(fingerprint) == 3
-        and _numbers(fingerprint)
-    ):
+    if fingerprint is not None and not _fingerprint(fingerprint):
         raise ValueError(
             "`fingerprint` must be a list of 3 numbers. Received: "
             f"fingerprint={fingerprint!r}"
+        )
+    per_worker = position.get("worker_fingerprints")
+    if per_worker is not None and not (
+        isinstance(per_worker, list) and all(map(_fingerprint, per_worker))
+    ):
+        raise ValueError(
+            "`worker_fingerprints` must be a list of lists of 3 numbers. "
+            f"Received: worker_fingerprints={per_worker!r}"
         )
     state = position.get("global_seed_generator")
     if state is not None and not ints(state):
@@ -424,6 +513,10 @@ def _read_position(path):
             f"Received: global_seed_generator={state!r}"
         )
     return position
+
+
+def _fingerprint(value):
+    return isinstance(value, list) and len(value) == 3 and _numbers(value)
 
 
 def _numbers(value):

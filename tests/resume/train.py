@@ -13,6 +13,10 @@ restore, as a JSON line `[epoch, updates, pending micro-batches]`. A run that
 ends writes the final weights to OUT_FILE (`.npz`) and its last epoch's logs
 to OUT_FILE with `.json` for `.npz`. `--metrics` compiles metrics (`mae`,
 `accuracy`, `mean_iou`: the mean IoU of the signs of output and target).
+`--term EPOCH:BATCH` sends SIGTERM to the process as that train batch
+starts (`--save-before-preemption` has the callback back up and exit with
+its `PREEMPTION_EXIT_CODE`); `--multi-worker` trains under
+`MultiWorkerMirroredStrategy` (one of the workers that `TF_CONFIG` names).
 """
 
 import argparse
@@ -59,6 +63,22 @@ class KillAt(keras.callbacks.Callback):
         self._kill_at(batch, True)
 
 
+class TermAt(keras.callbacks.Callback):
+    """SIGTERM to this process as train batch `EPOCH:BATCH` (1-based)
+    starts: it arrives during that batch."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.at, self.epoch = tuple(map(int, spec.split(":"))), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class LogStart(keras.callbacks.Callback):
     """Appends `[epoch, updates, pending]` of the run's start to a file."""
 
@@ -68,8 +88,8 @@ class LogStart(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.start = [
-            int(self.model.optimizer.iterations.numpy()),
-            int(self.model.micro_step),
+            int(np.asarray(self.model.optimizer.iterations)),
+            int(np.asarray(self.model.micro_step)),
         ]
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -130,6 +150,12 @@ def parse(argv):
                         choices=["float64", "mixed_float16", "mixed_bfloat16"])
     parser.add_argument("--mirrored", action="store_true",
                         help="MirroredStrategy on 2 logical CPUs")
+    # Preemption and several workers.
+    parser.add_argument("--term", help="EPOCH:BATCH: SIGTERM to itself "
+                        "as that train batch (1-based) starts")
+    parser.add_argument("--save-before-preemption", action="store_true")
+    parser.add_argument("--multi-worker", action="store_true",
+                        help="MultiWorkerMirroredStrategy (TF_CONFIG)")
     return parser.parse_args(argv)
 
 
@@ -203,16 +229,6 @@ def main(argv):
     args = parse(argv)
     save_freq = args.save_freq
     save_freq = save_freq if save_freq == "epoch" else int(save_freq)
-    callbacks = [
-        keras_accum.callbacks.BackupAndRestore(
-            args.backup_dir, save_freq,
-            double_checkpoint=args.double_checkpoint,
-        )
-    ]
-    if args.log:
-        callbacks.append(LogStart(args.log))
-    if args.kill:
-        callbacks.append(KillAt(args.kill))
     if args.mirrored:
         # Before TensorFlow starts (a forked run's first op comes later).
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -220,9 +236,24 @@ def main(argv):
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2
         )
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        with strategy.scope():
-            model = build(args)
+    elif args.multi_worker:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
     else:
+        strategy = tf.distribute.get_strategy()
+    callbacks = [
+        keras_accum.callbacks.BackupAndRestore(
+            args.backup_dir, save_freq,
+            double_checkpoint=args.double_checkpoint,
+            save_before_preemption=args.save_before_preemption,
+        )
+    ]
+    if args.log:
+        callbacks.append(LogStart(args.log))
+    if args.kill:
+        callbacks.append(KillAt(args.kill))
+    if args.term:
+        callbacks.append(TermAt(args.term))
+    with strategy.scope():
         model = build(args)
     model = fit(model, args, callbacks)
     np.savez(args.out, *model.get_weights())
