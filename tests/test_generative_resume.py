@@ -54,7 +54,13 @@ def scripts(draw):
         ["known", "unknown", "shuffled", "shuffled-global", "shuffled-arrays"]
     ))
     options += ["--data", data]
-    options += ["--steps", str(draw(st.integers(1, 4)))]
+    # `MirroredStrategy` on 2 logical CPUs with N >= 2: N = 1 is Keras'
+    # own step, and there plain Keras lets each replica's BatchNormalization
+    # moving statistics drift apart (a backup, as Keras' saving, holds the
+    # first replica's: the restart's validation differs) and fails to draw
+    # from the global seed generator (`GlobalNoise`).
+    mirrored = draw(st.sampled_from([False, False, False, True]))
+    options += ["--steps", str(draw(st.integers(2 if mirrored else 1, 4)))]
     if draw(st.booleans()):
         options += ["--micro-batch-size", str(draw(st.sampled_from([3, 4])))]
     if draw(st.booleans()):
@@ -69,9 +75,8 @@ def scripts(draw):
     ))
     if metrics:
         options += ["--metrics", *metrics]
-    # `MirroredStrategy` on 2 logical CPUs; `steps_per_execution` > 1
-    # fails there in plain Keras too.
-    mirrored = draw(st.sampled_from([False, False, False, True]))
+    # `steps_per_execution` > 1 fails under `MirroredStrategy` in plain
+    # Keras too.
     if mirrored:
         options.append("--mirrored")
     else:

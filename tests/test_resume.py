@@ -61,6 +61,13 @@ def start_background_runs(tmp_path_factory):
             groups[f"case{i}"] = [
                 restarted + ["--kill", kill_at] for kill_at in kills
             ] + [restarted]
+            if "--mirrored" in options:
+                # Logical devices must be set before TensorFlow starts: the
+                # uninterrupted run too is a process of its own.
+                groups[f"case{i}-uninterrupted"] = [[
+                    str(case / "uninterrupted.npz"),
+                    str(case / "uninterrupted_backup"), *options,
+                ]]
         return [sys.executable, RESTARTS, json.dumps(groups)]
 
     return start(
@@ -174,11 +181,15 @@ KILLED_RUNS = {
 @pytest.mark.parametrize("case", list(KILLED_RUNS))
 def test_killed_run_resumes_exactly(tmp_path, tmp_path_factory, case):
     options, kills, starts = KILLED_RUNS[case]
-    # The uninterrupted run, in this process.
-    reference = tmp_path / "reference.npz"
-    train.main([str(reference), str(tmp_path / "r"), *options])
     # The killed ones and the resumed one (`start_background_runs`).
     folder, runs = _killed_runs(tmp_path_factory, case)
+    # The uninterrupted run, in this process (or in the background).
+    reference = tmp_path / "reference.npz"
+    if "--mirrored" in options:
+        reference = folder / "uninterrupted.npz"
+        assert reference.exists()
+    else:
+        train.main([str(reference), str(tmp_path / "r"), *options])
     assert len(runs) == len(kills) + 1, runs
     *killed_runs, resumed = runs
     for killed in killed_runs:
