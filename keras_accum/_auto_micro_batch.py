@@ -126,6 +126,7 @@ class AutoMicroBatch:
         # Per kind: signature -> [size to try, smallest that failed].
         self._sizes = {"train": {}, "test": {}, "predict": {}}
         self._functions = {}  # (kind, size) -> Keras' function
+        self._snapshots = {}  # kind -> (its variables, the traced copy)
         self._said = {}  # (kind, signature) -> the size last reported
 
     def function(self, kind, make_function):
@@ -182,20 +183,61 @@ class AutoMicroBatch:
         ]
 
     def _saved(self, kind):
-        """The values to put back if the step of `kind` fails."""
-        pending = kind == "train" and (
-            int(self.model.gradient_accumulator.micro_step.numpy()) > 0
-        )
-        return {
-            id(c): (c, tf.identity(c.read_value()))
-            for c in self._variables(kind, with_buffers=pending)
-        }
+        """The values to put back if the step of `kind` fails: one traced
+        call that copies them on the device, with no read on the host (the
+        gradient buffers only where a window is pending: otherwise the step
+        overwrites them)."""
+        variables = self._variables(kind, with_buffers=True)
+        ids = tuple(id(c) for c in variables)
+        if self._snapshots.get(kind, (None,))[0] != ids:  # variables made
+            self._snapshots[kind] = (
+                ids, self._snapshot_function(kind, variables)
+            )
+        values = self._snapshots[kind][1]()
+        return {id(c): (c, value) for c, value in zip(variables, values)}
+
+    def _snapshot_function(self, kind, variables):
+        buffers = {
+            id(c)
+            for name, v in self.model.gradient_accumulator.state().items()
+            if name.startswith("buffer_")
+            for c in components(v)
+        } if kind == "train" else set()
+        micro_step = self.model.gradient_accumulator.micro_step
+
+        def copy(c):
+            return tf.identity(c.read_value())
+
+        @tf.function(autograph=False)
+        def snapshot():
+            pending = tf.reduce_any(
+                [s.read_value() > 0 for s in components(micro_step)]
+            ) if buffers else tf.constant(False)
+            values = []
+            for c in variables:
+                if id(c) in buffers:
+                    # An empty value: nothing to put back.
+                    values.append(tf.cond(
+                        pending,
+                        lambda c=c: copy(c),
+                        lambda c=c: tf.zeros([0], c.dtype),
+                    ))
+                else:
+                    values.append(copy(c))
+            return values
+
+        return snapshot
 
     def _roll_back(self, saved, kind):
         """Puts `_saved()`'s values back; zeroes variables made since."""
         for c in self._variables(kind, with_buffers=True):
             if id(c) in saved:
-                c.assign(saved[id(c)][1])
+                value = saved[id(c)][1]
+                if value.shape.num_elements() == 0 and (
+                    c.shape.num_elements() != 0
+                ):
+                    continue  # a buffer with no window pending
+                c.assign(value)
             elif not c.name.startswith("buffer_"):
                 c.assign(tf.zeros_like(c))
 
