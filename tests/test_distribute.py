@@ -3,9 +3,10 @@
 The cases run in `tests/distributed/worker.py`, one after the other in one
 fresh process (a pair of them for multi-worker), so that the logical devices
 and the cluster do not leak into other tests. The process under
-`MirroredStrategy` also runs the saved-window case and the in-step cases of
-tests/test_in_step.py; it starts in the background with the first test
-(`background.py`), and the tests read its results. For each case the worker
+`MirroredStrategy` also runs the saved-window case, the in-step cases of
+tests/test_in_step.py and those of input of unknown length; it starts in
+the background with the first test (`background.py`), and the tests read
+its results. For each case the worker
 trains `GradientAccumulationModel` under the strategy (graph mode) and the
 reference, plain `keras.Model` on one device with one big batch per window
 of the same samples, and prints the relative update difference (float64) and
