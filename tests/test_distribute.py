@@ -8,8 +8,9 @@ tests/test_in_step.py and those of input of unknown length; it starts in
 the background with the first test (`background.py`), and the tests read
 its results. For each case the worker trains `GradientAccumulationModel`
 under the strategy (graph mode) and the reference, plain `keras.Model` on
-one device with one big batch per window of the same samples, and prints the relative update difference (float64) and
-the cross-device reductions executed inside each train step.
+one device with one big batch per window of the same samples, and prints
+the relative update difference (float64) and the cross-device reductions
+executed inside each train step.
 
 The `dropped` case (`non_finite_policy="drop_micro_batch"`) drops every
 micro-batch of one window on one replica only: the update must be the big
