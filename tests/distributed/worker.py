@@ -378,7 +378,7 @@ def run_case(args, strategy, counter, worker, workers):
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
     if args.carry:
         # The windows run across epochs; the last one is flushed at the end.
-        x, y = np.concatenate([x] * args.epochs), np.concatenate([y] * args.epochs)
+        x, y = (np.concatenate([a] * args.epochs) for a in (x, y))
         samples *= args.epochs
         steps_by_epoch = [STEPS]
     for epoch_steps in steps_by_epoch:
