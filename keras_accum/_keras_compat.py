@@ -27,9 +27,10 @@ if tuple(map(int, re.findall(r"\d+", keras.__version__)[:2])) < (3, 11):
 
 try:
     from keras.src.backend import compute_output_spec  # noqa: F401
-    from keras.src.backend import get_keras_mask  # noqa: F401
     from keras.src.backend import name_scope  # noqa: F401
     from keras.src.backend.common import global_state
+    # Not re-exported by `keras.src.backend` from Keras 3.16.
+    from keras.src.backend.common.masking import get_keras_mask  # noqa: F401
     from keras.src.losses import loss as loss_module
     from keras.src.models.functional import Functional
     from keras.src.models import model as model_module
@@ -82,13 +83,18 @@ reduction_axes = operator.attrgetter("_reduction_axes")
 moments = operator.attrgetter("_moments")
 
 
+# The global state's key of the global `SeedGenerator`: a constant in newer
+# Keras (3.15), the same string written out in Keras 3.11.
+_GLOBAL_SEED_GENERATOR = getattr(
+    seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator"
+)
+
+
 def global_seed_generator(create=False):
     """Keras' global `SeedGenerator` (`None` if none yet and not `create`)."""
     if create:
         return seed_generator.global_seed_generator()
-    return global_state.get_global_attribute(
-        seed_generator.GLOBAL_SEED_GENERATOR
-    )
+    return global_state.get_global_attribute(_GLOBAL_SEED_GENERATOR)
 
 
 def metrics_built(model):

@@ -119,6 +119,21 @@ class WindowState(tf.Module):
         """bool tensor: whether any micro-batch waits in the window."""
         return self.micro_step > 0
 
+    def count_step(self):
+        """Counts a train step that ended, after its micro-batches.
+
+        The count is computed from `micro_step`, which this step's `add()`s
+        update once its gradients exist: a data dependency, which graph
+        optimisations keep (Grappler's constant folding dropped a control
+        dependency on the loss under `MirroredStrategy`). So Keras' extra
+        call at the end of an epoch of unknown length, whose input runs
+        out, counts no step (docs/design.md, "Input of unknown length").
+        """
+        seen = self.micro_step.read_value()
+        # 1, once `seen` is read (it is never negative).
+        one = tf.cast(tf.greater_equal(seen, 0), tf.int64)
+        self.steps_in_window.assign_add(one)
+
     def set_steps(self, steps):
         """N of the next windows; of this one too if it is empty."""
         with tf.init_scope():

@@ -265,7 +265,7 @@ class GradientAccumulator(tf.Module):
 
         Args and return value as for `flush()`.
         """
-        self.window.steps_in_window.assign_add(1)
+        self.window.count_step()
         return self._end_window(optimizer, variables, self.window.ready())
 
     def accumulate_and_maybe_apply(

@@ -672,19 +672,18 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """A train step that adds its batch to the window, then ends it."""
         if self._micro_batch_size is None:
             forward = self._forward_backward(x, y, sample_weight)
-            loss = forward.loss
-            compat.track_loss(self, loss, forward.batch_size)
+            compat.track_loss(self, forward.loss, forward.batch_size)
             logs = self.compute_metrics(x, y, forward.y_pred, sample_weight)
         else:
-            loss = self._micro_batches(
+            self._micro_batches(
                 (x, y, sample_weight), self._forward_backward, "train"
             )
             logs = self.get_metrics_result()
         if self.optimizer is not None and self.trainable_weights:
-            with tf.control_dependencies([loss]):
-                self.gradient_accumulator.end_step(
-                    self.optimizer, self.trainable_weights
-                )
+            # Counted after the micro-batches (`WindowState.count_step()`).
+            self.gradient_accumulator.end_step(
+                self.optimizer, self.trainable_weights
+            )
         return logs
 
     def _micro_batches(self, data, step, kind):

@@ -12,6 +12,21 @@ import tensorflow as tf
 import keras_accum
 
 
+def import_keras_hub():
+    """keras_hub, or the calling test (module) skipped with the reason: not
+    installed, or a release that does not import with this Keras (keras-hub
+    0.32 imports a name that Keras 3.16 no longer re-exports)."""
+    import pytest
+
+    try:
+        import keras_hub
+    except ImportError as error:
+        pytest.skip(
+            f"keras_hub cannot be imported: {error}", allow_module_level=True
+        )
+    return keras_hub
+
+
 def keras_version():
     """This Keras' (major, minor) version."""
     return tuple(int(part) for part in keras.__version__.split(".")[:2])

@@ -23,6 +23,7 @@ from conftest import record
 from conftest import relative_difference
 from helpers import classification_data
 from helpers import dense_net
+from helpers import import_keras_hub
 from helpers import masked_mean_rtol
 from helpers import twins
 from test_batch_norm import _fit as bn_fit
@@ -478,7 +479,7 @@ def test_keras_hub_task(float64):
     batches of 8 texts split in micro-batches of 2 (16, 5, 10 and 3 real
     tokens), the loss a mean over real tokens; against keras-hub's own task
     on the batch. (Raw strings: tests/test_keras_hub.py.)"""
-    keras_hub = pytest.importorskip("keras_hub")
+    keras_hub = import_keras_hub()
     from test_keras_hub import _assert_window_equals_big_batch
     from test_keras_hub import _gpt2
     from test_keras_hub import _preprocessor

@@ -13,10 +13,11 @@ import pytest
 from conftest import RTOL
 from conftest import assert_close_to_reference
 from helpers import Plain
+from helpers import import_keras_hub
 
 import keras_accum
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = import_keras_hub()
 
 GAM = keras_accum.GradientAccumulationModel
 MERGES = [

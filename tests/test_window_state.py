@@ -391,6 +391,78 @@ def test_python_generator(micro_batches, optimizer, mode, float64):
     assert diff <= EXACT
 
 
+class _UpdatesPerEpoch(keras.callbacks.Callback):
+    """`optimizer.iterations` at each epoch's end (after the window's end)."""
+
+    def __init__(self):
+        super().__init__()
+        self.iterations = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.iterations.append(int(self.model.optimizer.iterations))
+
+
+# Graph mode, where Keras calls the train function once more at each epoch's
+# end and that call's input runs out.
+@pytest.mark.parametrize(
+    "micro_batches, flush_at_epoch_end, updates",
+    [(8, True, [2, 4]), (7, True, [2, 4]), (7, False, [1, 4])],
+)
+def test_updates_per_epoch_on_unknown_length(
+    micro_batches, flush_at_epoch_end, updates, float64
+):
+    # One update per window, none for Keras' extra call at an epoch's end:
+    # epochs of 2 windows, the second full (8) or flushed (7); or, with the
+    # window carried over, 14 micro-batches in windows of 4 and a flushed 2.
+    x, y = _data(micro_batches * B)
+    reference = _net(keras.Model)
+    _compile(reference, "adam")
+    epochs = 2 if flush_at_epoch_end else 1
+    if not flush_at_epoch_end:
+        x, y = np.concatenate([x, x]), np.concatenate([y, y])
+    fit_reference(
+        reference, x=x, y=y, batch_size=N * B, epochs=epochs, shuffle=False,
+        verbose=0,
+    )
+    model = _ours("adam", flush_at_epoch_end, run_eagerly=False)
+    seen = _UpdatesPerEpoch()
+    x, y = x[: micro_batches * B], y[: micro_batches * B]
+    model.fit(
+        _unknown_length("filter", x, y), epochs=2, verbose=0, callbacks=[seen]
+    )
+    assert seen.iterations == updates
+    diff = relative_difference(reference.get_weights(), model.get_weights())
+    record("unknown length: updates per epoch", diff)
+    assert diff <= EXACT, f"{flush_at_epoch_end}: {diff:.3g}"
+
+
+def test_one_step_per_update_counts_as_keras_on_unknown_length(float64):
+    """N = 1 is Keras' own train step, bit for bit, with Keras' count.
+
+    On input of unknown length, plain `keras.Model` itself counts one more
+    optimizer iteration per epoch than it has batches in graph mode (the
+    extra call at the epoch's end, whose input runs out; 3.15.1: 14 for 12
+    batches in 2 epochs). N = 1 keeps Keras' step and so its count
+    (docs/semantics.md); the count is measured on plain Keras here.
+    """
+    x, y = _data(6 * B)
+    counts, weights = [], []
+    for cls, kw in ((keras.Model, {}), (keras_accum.GradientAccumulationModel,
+                                        dict(gradient_accumulation_steps=1))):
+        model = _net(cls, **kw)
+        _compile(model, "adam")
+        seen = _UpdatesPerEpoch()
+        model.fit(
+            _unknown_length("filter", x, y), epochs=2, verbose=0,
+            callbacks=[seen],
+        )
+        counts.append(seen.iterations)
+        weights.append(model.get_weights())
+    assert counts[1] == counts[0]
+    for keras_weight, ours in zip(*weights, strict=True):
+        np.testing.assert_array_equal(ours, keras_weight)
+
+
 def test_empty_fit_changes_nothing(float64):
     x, y = _data(6 * B)
     model = _ours("adam", run_eagerly=False)

@@ -8,10 +8,18 @@ Usage:
     python worker.py --strategy mirrored --case masked
     python worker.py --strategy mirrored --case batchnorm default masked:schedule
     python worker.py --strategy mirrored --case save masked masked:in_step
+    python worker.py --strategy mirrored --case masked:unknown,carry
     TF_CONFIG=... python worker.py --strategy multiworker --case default
 
 `save` (mirrored only, run first, before the reductions are counted) is
 `save_worker.py`'s run, printed as its JSON line with `"case": "save"`.
+
+Options after the case, separated by commas: `schedule`, `in_step` (as the
+flags below), and, under `MirroredStrategy` only, input of unknown length:
+`unknown` (a `tf.data` pipeline with `.filter()`), `generator` (a
+`Dataset.from_generator`), `carry` (`flush_at_epoch_end=False`). On such
+input Keras calls the train function once more at each epoch's end, and
+that call's input runs out: it must count nothing.
 """
 
 import argparse
@@ -27,6 +35,13 @@ import tensorflow as tf  # noqa: E402
 GLOBAL_MICRO_BATCH = 4  # samples per micro-batch over all replicas
 STEPS = 3  # micro-batches per update
 SAMPLES = 30  # 8 micro-batches per epoch: windows of 3, 3 and a short 2
+# Input of unknown length: epochs that end on a full window (6 micro-batches,
+# 2 windows), or with `carry` on a pending one (7 micro-batches, the window
+# carried over into the next epoch).
+UNKNOWN_SAMPLES = 24
+CARRY_SAMPLES = 28
+OPTIONS = ("schedule", "in_step", "unknown", "generator", "carry")
+UNKNOWN_LENGTH = ("unknown", "generator")
 DROPPED = (0, 4, 8)  # "dropped" case: one non-finite sample per micro-batch
 CASES = ("default", "masked", "overflow", "batchnorm", "dropped")
 
@@ -138,7 +153,7 @@ def build_batch_norm_model(cls, keras, synchronized=True, **kwargs):
     return cls(inputs, outputs, **kwargs)
 
 
-def make_data(case):
+def make_data(case, samples=SAMPLES):
     rng = np.random.default_rng(0)
     masked, overflow = case == "masked", case == "overflow"
     if case == "batchnorm":
@@ -146,18 +161,18 @@ def make_data(case):
         # every replica (and worker) holds different places, so the
         # per-replica statistics differ from each other and from the
         # global ones.
-        place = (np.arange(SAMPLES) % GLOBAL_MICRO_BATCH)[:, None]
-        x = rng.normal(size=(SAMPLES, 6)) * (1.0 + place) + 2.0 * place
+        place = (np.arange(samples) % GLOBAL_MICRO_BATCH)[:, None]
+        x = rng.normal(size=(samples, 6)) * (1.0 + place) + 2.0 * place
         x = x * np.linspace(0.5, 2.0, 6) + np.linspace(-1.0, 1.0, 6)
-        y = rng.integers(0, 3, size=(SAMPLES,))
+        y = rng.integers(0, 3, size=(samples,))
     elif masked:
-        x = rng.normal(size=(SAMPLES, 6, 6, 2))
-        y = rng.integers(0, 3, size=(SAMPLES, 6, 6))
-        for i in range(SAMPLES):  # 0% .. 80% ignored, varying per sample
+        x = rng.normal(size=(samples, 6, 6, 2))
+        y = rng.integers(0, 3, size=(samples, 6, 6))
+        for i in range(samples):  # 0% .. 80% ignored, varying per sample
             y[i][rng.random((6, 6)) < (i % 5) / 5.0] = 255
     else:
-        x = rng.normal(size=(SAMPLES, 6))
-        y = rng.integers(0, 3, size=(SAMPLES,))
+        x = rng.normal(size=(samples, 6))
+        y = rng.integers(0, 3, size=(samples,))
     if overflow:
         x[5] = np.nan  # micro-batch 1 (of window 0), on one replica only
     if case == "dropped":
@@ -174,7 +189,9 @@ def main():
         "--case", nargs="+", default=["default"],
         help="Cases to run one after the other, one JSON line each; "
         "CASE:schedule runs CASE as with --schedule, CASE:in_step as with "
-        "--in-step; save: save_worker.py's run.",
+        "--in-step, CASE:unknown,carry on input of unknown length without "
+        "flush at epoch end (see the module docstring); save: "
+        "save_worker.py's run.",
     )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-count", action="store_true")
@@ -196,14 +213,22 @@ def main():
         if spec == "save":
             continue
         case, _, option = spec.partition(":")
-        if case not in CASES or option not in ("", "schedule", "in_step"):
+        options = set(option.split(",")) - {""}
+        if case not in CASES or not options <= set(OPTIONS) or (
+            options - {"schedule", "in_step"}
+            and args.strategy != "mirrored"
+        ):
             parser.error(f"invalid case: {spec!r}")
         runs.append(argparse.Namespace(
             **dict(
                 vars(args), case=case,
-                schedule=args.schedule or option == "schedule",
-                in_step=args.in_step or option == "in_step",
+                schedule=args.schedule or "schedule" in options,
+                in_step=args.in_step or "in_step" in options,
             ),
+            input="generator" if "generator" in options else (
+                "unknown" if "unknown" in options else "arrays"
+            ),
+            carry="carry" in options,
             spec=spec,
         ))
 
@@ -247,7 +272,10 @@ def run_case(args, strategy, counter, worker, workers):
     import keras_accum
 
     masked = args.case == "masked"
-    x, y = make_data(args.case)
+    samples = SAMPLES
+    if args.input in UNKNOWN_LENGTH:
+        samples = CARRY_SAMPLES if args.carry else UNKNOWN_SAMPLES
+    x, y = make_data(args.case, samples)
 
     def loss():
         return keras.losses.SparseCategoricalCrossentropy(
@@ -285,6 +313,7 @@ def run_case(args, strategy, counter, worker, workers):
             non_finite_policy=(
                 "drop_micro_batch" if args.case == "dropped" else "skip_window"
             ),
+            flush_at_epoch_end=not args.carry,
         )
         ours.set_weights(initial)
         ours.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
@@ -320,18 +349,21 @@ def run_case(args, strategy, counter, worker, workers):
         spy = [spy]
     replicas = strategy.num_replicas_in_sync
     if args.strategy == "mirrored":
-        data = (x, y)
         batch = GLOBAL_MICRO_BATCH * (STEPS if args.in_step else 1)
-        ours.fit(x, y, batch_size=batch, epochs=args.epochs,
-                 shuffle=False, verbose=0, callbacks=spy)
+        if args.input == "arrays":
+            ours.fit(x, y, batch_size=batch, epochs=args.epochs,
+                     shuffle=False, verbose=0, callbacks=spy)
+        else:
+            ours.fit(unknown_length(args.input, x, y, batch),
+                     epochs=args.epochs, verbose=0, callbacks=spy)
     else:
         # Each worker reads its own shard: worker w holds the w-th of the
         # equal parts of every micro-batch (the short last one included).
         def shard(context):
             w = context.input_pipeline_id
             dataset = None
-            for k in range(0, SAMPLES, GLOBAL_MICRO_BATCH):
-                size = min(GLOBAL_MICRO_BATCH, SAMPLES - k) // workers
+            for k in range(0, samples, GLOBAL_MICRO_BATCH):
+                size = min(GLOBAL_MICRO_BATCH, samples - k) // workers
                 part = slice(k + w * size, k + (w + 1) * size)
                 piece = tf.data.Dataset.from_tensors((x[part], y[part]))
                 dataset = piece if dataset is None else dataset.concatenate(
@@ -344,9 +376,14 @@ def run_case(args, strategy, counter, worker, workers):
 
     # The reference: one device, one big batch per window of the same samples.
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
+    if args.carry:
+        # The windows run across epochs; the last one is flushed at the end.
+        x, y = (np.concatenate([a] * args.epochs) for a in (x, y))
+        samples *= args.epochs
+        steps_by_epoch = [STEPS]
     for epoch_steps in steps_by_epoch:
         window = GLOBAL_MICRO_BATCH * epoch_steps
-        for start in range(0, SAMPLES, window):
+        for start in range(0, samples, window):
             xb, yb = x[start : start + window], y[start : start + window]
             if args.case == "overflow" and start == 0:
                 continue  # the window with a non-finite micro-batch is skipped
@@ -381,7 +418,7 @@ def run_case(args, strategy, counter, worker, workers):
         if "moving_mean" in v.path or "moving_variance" in v.path
     ]
     moving_diff = difference([weights[i] for i in moving])
-    micro_batches = args.epochs * -(-SAMPLES // GLOBAL_MICRO_BATCH)
+    micro_batches = len(steps_by_epoch) * -(-samples // GLOBAL_MICRO_BATCH)
     return {
         "worker": worker,
         "replicas": replicas,
@@ -398,6 +435,27 @@ def run_case(args, strategy, counter, worker, workers):
         "reductions_per_step": spy[0].steps,
         "synchronized_refused": refused,
     }
+
+
+def unknown_length(kind, x, y, batch):
+    """Batches of `x, y` in order, of unknown length (`tf.data` cardinality
+    -2): a pipeline with `.filter()`, or a `from_generator` dataset."""
+    if kind == "unknown":
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).filter(
+            lambda *_: True
+        )
+
+    def generator():
+        for start in range(0, len(x), batch):
+            yield x[start : start + batch], y[start : start + batch]
+
+    return tf.data.Dataset.from_generator(
+        generator,
+        output_signature=(
+            tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype)),
+            tf.TensorSpec((None,) + y.shape[1:], tf.as_dtype(y.dtype)),
+        ),
+    )
 
 
 if __name__ == "__main__":
