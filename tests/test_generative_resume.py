@@ -57,8 +57,7 @@ def scripts(draw):
     # `MirroredStrategy` on 2 logical CPUs with N >= 2: N = 1 is Keras'
     # own step, and there plain Keras lets each replica's BatchNormalization
     # moving statistics drift apart (a backup, as Keras' saving, holds the
-    # first replica's: the restart's validation differs) and fails to draw
-    # from the global seed generator (`GlobalNoise`).
+    # first replica's: the restart's validation differs).
     mirrored = draw(st.sampled_from([False, False, False, True]))
     options += ["--steps", str(draw(st.integers(2 if mirrored else 1, 4)))]
     if draw(st.booleans()):
