@@ -84,11 +84,11 @@ _HYPOTHESIS = dict(
 )
 # The default: the same examples every run, within the suite's budget.
 settings.register_profile(
-    "ci", max_examples=12, derandomize=True, database=None, **_HYPOTHESIS
+    "ci", max_examples=10, derandomize=True, database=None, **_HYPOTHESIS
 )
 # `--hypothesis-profile=long`: about an hour's random search on two cores,
 # failures kept in `.hypothesis/` and tried first next time.
-settings.register_profile("long", max_examples=700, **_HYPOTHESIS)
+settings.register_profile("long", max_examples=300, **_HYPOTHESIS)
 
 
 def pytest_configure(config):

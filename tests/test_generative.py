@@ -27,6 +27,7 @@ import tempfile
 
 import generative
 import pytest
+from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -36,10 +37,12 @@ WORKER = os.path.join(
 )
 # Seconds a case may take in the worker (a few, traced once per case).
 CASE_TIMEOUT = 300
-# The mirrored test's examples, as a share of the profile's `max_examples`:
-# a mirrored case costs about as much as a one-device one, plus the worker's
-# start once.
-MIRRORED_SHARE = 1.0
+# Cases per example: the profile's `max_examples` counts cases.
+CASES = 10
+# The mirrored test runs three times the profile's cases: its space is
+# smaller, but a cell of it (an input of unknown length on 2 replicas over
+# 2 epochs, across steps, whole windows) is 4 dimensions deep.
+MIRRORED_SHARE = 3
 
 
 class MirroredWorker:
@@ -111,16 +114,44 @@ def mirrored_worker():
     worker.close()
 
 
-@given(case=generative.cases(strategy=st.just("one_device")))
-def test_one_device(case):
-    generative.check(case, generative.run_case(case))
+def _examples(share=1):
+    """The examples of a test, `CASES` cases each: `share` times the
+    profile's `max_examples` cases."""
+    return max(1, share * settings.default.max_examples // CASES)
 
 
-@settings(
-    max_examples=max(1, int(settings.default.max_examples * MIRRORED_SHARE))
+def _lists(strategy):
+    """`CASES` different cases drawn together: more diverse than as many
+    examples of one case each, which Hypothesis draws as variations of
+    each other."""
+    return st.lists(
+        generative.cases(strategy=st.just(strategy)),
+        min_size=CASES, max_size=CASES,
+        unique_by=lambda case: tuple(case.values()),
+    )
+
+
+@settings(max_examples=_examples())
+@given(cases=_lists("one_device"))
+def test_one_device(cases):
+    for case in cases:
+        generative.check(case, generative.run_case(case))
+
+
+# Found by this test: `reduction="sum"` on 2 replicas applied twice the big
+# batch's update (both modes; update ratio 2.0, relative difference 1.0).
+SUM_ON_REPLICAS = dict(
+    strategy="mirrored", mode="across", input="arrays", steps=2, batch=1,
+    micro_batch_size=None, samples=1, epochs=1, flush_at_epoch_end=False,
+    loss="sum", optimizer="sgd", steps_per_execution=1, seed=0,
 )
-@given(case=generative.cases(strategy=st.just("mirrored")))
-def test_mirrored(case, mirrored_worker):
-    result = mirrored_worker.run(case)
-    assert result["replicas"] == 2
-    generative.check(case, result)
+
+
+@settings(max_examples=_examples(MIRRORED_SHARE))
+@given(cases=_lists("mirrored"))
+@example(cases=[SUM_ON_REPLICAS])
+def test_mirrored(cases, mirrored_worker):
+    for case in cases:
+        result = mirrored_worker.run(case)
+        assert result["replicas"] == 2
+        generative.check(case, result)
