@@ -21,6 +21,11 @@ import tensorflow as tf  # noqa: E402
 
 
 def main():
+    # Only the answers on stdout: anything else printed goes to stderr, so
+    # that the test reads exactly one line per case.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
@@ -29,14 +34,14 @@ def main():
 
     import generative
 
-    print("READY", flush=True)
+    print("READY", file=answers, flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         case = json.loads(line)
         result = generative.run_case(case, strategy)
         result["replicas"] = strategy.num_replicas_in_sync
-        print("RESULT " + json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result), file=answers, flush=True)
 
 
 if __name__ == "__main__":
