@@ -88,7 +88,7 @@ settings.register_profile(
 )
 # `--hypothesis-profile=long`: about an hour's random search on two cores,
 # failures kept in `.hypothesis/` and tried first next time.
-settings.register_profile("long", max_examples=300, **_HYPOTHESIS)
+settings.register_profile("long", max_examples=150, **_HYPOTHESIS)
 
 
 def pytest_configure(config):
