@@ -20,6 +20,8 @@ import gc  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 MODES = {
     "eager": dict(run_eagerly=True),
@@ -72,7 +74,26 @@ def _freeze_imported_objects():
     gc.unfreeze()
 
 
+# Hypothesis' profiles (tests/test_generative.py). Each example sets its
+# own precision and clears its Keras session, so the autouse fixtures above,
+# which run once per test, not per example, are no harm to it.
+_HYPOTHESIS = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    print_blob=True,
+)
+# The default: the same examples every run, within the suite's budget.
+settings.register_profile(
+    "ci", max_examples=10, derandomize=True, database=None, **_HYPOTHESIS
+)
+# `--hypothesis-profile=long`: about an hour's random search on two cores,
+# failures kept in `.hypothesis/` and tried first next time.
+settings.register_profile("long", max_examples=150, **_HYPOTHESIS)
+
+
 def pytest_configure(config):
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile("ci")
     config.addinivalue_line(
         "markers",
         "background(start=...): the test reads child processes that "
