@@ -130,7 +130,7 @@ def _rows(data, start, length):
 
 
 def _replica_scale():
-    """The replica count, which Keras divides each replica's loss by."""
+    """The replica count, which Keras divides each replica's mean loss by."""
     return float(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
@@ -664,7 +664,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             self.optimizer,
             self.trainable_weights,
             normalizer=forward.normalizer,
-            gradient_scale=_replica_scale(),
+            # Keras divides a mean (and `add_loss` terms) by the replica
+            # count, not a sum: a sum's gradient is each replica's own.
+            gradient_scale=(
+                1.0 if forward.normalizer is None else _replica_scale()
+            ),
         )
         return forward
 
