@@ -366,3 +366,20 @@ def buffers(model):
     """The model's accumulation buffers, through the public `state()`."""
     state = model.gradient_accumulator.state()
     return [v for name, v in state.items() if name.startswith("buffer_")]
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises `RuntimeError("interrupted")` after train batch `batch`
+    (1-based) of epoch `epoch`: the first call of `steps_per_execution`
+    batches that reaches it."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == self.at[0] and batch + 1 >= self.at[1]:
+            raise RuntimeError("interrupted")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import RTOL
 from conftest import assert_close_to_reference
+from helpers import Interrupt
 from helpers import Plain
 from helpers import import_keras_hub
 
@@ -428,20 +429,6 @@ def test_converted_retinanet_serialized_and_deserialized(converted_retinanet):
     assert set(restored.loss) == {"bbox_regression", "cls_logits"}
 
 
-class _Interrupt(keras.callbacks.Callback):
-    """Raises after train batch `batch` (1-based) of epoch `epoch`."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch + 1) == self.at:
-            raise RuntimeError("interrupted")
-
 
 def test_converted_task_resumes_with_its_default_metrics(tmp_path, float64):
     # keras-hub compiles a weighted accuracy by default: the restart's
@@ -460,7 +447,7 @@ def test_converted_task_resumes_with_its_default_metrics(tmp_path, float64):
     backup = tmp_path / "backup"
     with pytest.raises(RuntimeError, match="interrupted"):
         run([keras_accum.callbacks.BackupAndRestore(backup, save_freq=1),
-             _Interrupt(1, 3)])
+             Interrupt(1, 3)])
     resumed = run([keras_accum.callbacks.BackupAndRestore(backup, save_freq=1)])
     assert resumed.history.epoch == [1]
     assert int(resumed.optimizer.iterations) == 4

@@ -30,6 +30,7 @@ import tensorflow as tf
 from background import start
 from conftest import record
 from conftest import relative_difference
+from helpers import Interrupt
 
 import keras_accum
 from keras_accum.callbacks import BackupAndRestore
@@ -212,19 +213,6 @@ def test_killed_run_resumes_exactly(tmp_path, tmp_path_factory, case):
     assert not (folder / "resumed_backup").exists()
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        # `batch + 1` can pass the batch: calls of `steps_per_execution`.
-        if self.epoch == self.at[0] and batch + 1 >= self.at[1]:
-            raise RuntimeError("interrupted")
-
 
 @pytest.mark.parametrize("data", ["known", "unknown"])
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
@@ -261,7 +249,7 @@ def test_interrupted_fit_resumes_exactly(
     # 2 batches, Keras reports it as batch 8).
     for epoch, batch in ((0, 4), (1, 7), (2, 2)):
         with pytest.raises(RuntimeError, match="interrupted"):
-            run([BackupAndRestore(backup, save_freq=2), _Interrupt(epoch, batch)])
+            run([BackupAndRestore(backup, save_freq=2), Interrupt(epoch, batch)])
     resumed = run([BackupAndRestore(backup, save_freq=2)])
     assert resumed.history.epoch == [2]
     diff = relative_difference(reference.get_weights(), resumed.get_weights())
@@ -305,7 +293,7 @@ def backups(tmp_path_factory):
         with pytest.raises(RuntimeError, match="interrupted"):
             _fit([
                 BackupAndRestore(folder, save_freq=2, double_checkpoint=True),
-                _Interrupt(1, 5),
+                Interrupt(1, 5),
             ])
     finally:
         keras.config.set_floatx(floatx)
@@ -483,7 +471,7 @@ def test_no_intact_backup_is_an_error(backups, tmp_path, float64):
         r"starts from the beginning\.",
     ):
         with pytest.raises(RuntimeError, match="interrupted"):
-            _fit([BackupAndRestore(folder), start, _Interrupt(0, 1)])
+            _fit([BackupAndRestore(folder), start, Interrupt(0, 1)])
     assert start.state == (0, 0)
 
 
@@ -517,7 +505,7 @@ def test_save_freq_numpy_integer_and_false(backups, tmp_path, float64):
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit([
             BackupAndRestore(folder, save_freq=np.int64(3)),
-            _Interrupt(0, 5),
+            Interrupt(0, 5),
         ])
     backup = [p.name for p in folder.glob("backup-*")]
     assert [name.split("-")[:3] for name in backup] == [["backup", "0", "3"]]
