@@ -96,6 +96,11 @@ def pytest_configure(config):
         settings.load_profile("ci")
     config.addinivalue_line(
         "markers",
+        "generative: a Hypothesis search (tests/test_generative*.py), run "
+        "by `python -m pytest -m generative`, CI's generative job.",
+    )
+    config.addinivalue_line(
+        "markers",
         "background(start=...): the test reads child processes that "
         "`start(tmp_path_factory)` starts in the background "
         "(tests/background.py), with the first test.",

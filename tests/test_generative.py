@@ -42,6 +42,8 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.generative
+
 WORKER = os.path.join(
     os.path.dirname(__file__), "distributed", "generative_worker.py"
 )

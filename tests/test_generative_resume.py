@@ -36,6 +36,8 @@ from hypothesis import note
 from hypothesis import settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.generative
+
 RESTARTS = os.path.join(os.path.dirname(__file__), "resume", "restarts.py")
 
 # Batches of 8 rows (`resume/train.py`), 16 validation rows, 3 epochs.
