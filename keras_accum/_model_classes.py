@@ -2,27 +2,32 @@
 class is rewritten (docs/design.md, "Every model class")."""
 
 import importlib
+import threading
 
 import keras
 
 from keras_accum import _keras_compat as compat
 
 _CLASSES = {}  # bases -> the class derived from them
+_CLASSES_LOCK = threading.Lock()  # models may be built in threads
 
 
 def _derive(cls, bases, saved_as, **attrs):
     """`bases`' subclass named as `cls` (made once), saved as `saved_as`."""
-    if bases not in _CLASSES:
-        attrs.update(__module__=cls.__module__, __doc__=cls.__doc__)
-        derived = type(cls.__name__, bases, attrs)
-        name = keras.saving.get_registered_name(saved_as)
-        if name != derived.__name__:
-            package, _, short = name.rpartition(">")
-            register = keras.saving.register_keras_serializable(package, short)
-            register(derived)
-            register(saved_as)
-        _CLASSES[bases] = derived
-    return _CLASSES[bases]
+    with _CLASSES_LOCK:
+        if bases not in _CLASSES:
+            attrs.update(__module__=cls.__module__, __doc__=cls.__doc__)
+            derived = type(cls.__name__, bases, attrs)
+            name = keras.saving.get_registered_name(saved_as)
+            if name != derived.__name__:
+                package, _, short = name.rpartition(">")
+                register = keras.saving.register_keras_serializable(
+                    package, short
+                )
+                register(derived)
+                register(saved_as)
+            _CLASSES[bases] = derived
+        return _CLASSES[bases]
 
 
 def functional_class(cls, accumulating, functional):

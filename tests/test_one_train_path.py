@@ -5,6 +5,7 @@ from several threads."""
 import contextlib
 import io
 import re
+import sys
 import threading
 
 import h5py
@@ -104,45 +105,59 @@ def test_progress_bar_shows_updates_as_an_integer(verbose):
     assert history.history["updates"] == [2, 4]
 
 
-class _BuiltFunctionally(keras_accum.GradientAccumulationModel):
-    """A subclass whose `__init__` builds a functional graph (as a
+def _built_functionally_class():
+    """A fresh subclass whose `__init__` builds a functional graph (as a
     keras-hub task's does)."""
 
-    def __init__(self, **kwargs):
-        inputs = keras.Input((3,))
-        outputs = keras.layers.Dense(2)(inputs)
-        super().__init__(inputs, outputs, **kwargs)
+    class BuiltFunctionally(keras_accum.GradientAccumulationModel):
+        def __init__(self, **kwargs):
+            inputs = keras.Input((3,))
+            outputs = keras.layers.Dense(2)(inputs)
+            super().__init__(inputs, outputs, **kwargs)
+
+    return BuiltFunctionally
 
 
-def test_models_built_functionally_in_threads_rewrite_no_class():
+@pytest.mark.parametrize("attempt", range(5))
+def test_models_built_functionally_in_threads_rewrite_no_class(attempt):
+    built_functionally = _built_functionally_class()
     bases = (
-        _BuiltFunctionally.__bases__,
+        built_functionally.__bases__,
         keras_accum.GradientAccumulationModel.__bases__,
     )
     models, errors = [], []
+    start = threading.Barrier(8)
 
     def build():
         try:
+            start.wait()
             for _ in range(3):
-                models.append(_BuiltFunctionally(gradient_accumulation_steps=2))
+                models.append(built_functionally(gradient_accumulation_steps=2))
                 models.append(keras.Model(*dense_net()))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=build) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    # Threads switch often, so that two first builds of a class race.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=build) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch_interval)
     assert not errors
-    assert len(models) == 24
+    assert len(models) == 48
     functional = keras.src.models.functional.Functional
     for model in models:
         assert isinstance(model, functional)
-    ours = [m for m in models if isinstance(m, _BuiltFunctionally)]
-    assert len(ours) == 12 and {type(m) for m in ours} == {type(ours[0])}
+    ours = [m for m in models if isinstance(m, built_functionally)]
+    assert len(ours) == 24
+    assert len({type(m) for m in ours}) == 1, "one class made per base class"
     assert (
-        _BuiltFunctionally.__bases__,
+        built_functionally.__bases__,
         keras_accum.GradientAccumulationModel.__bases__,
     ) == bases
     # Plain models built afterwards are Keras' own.
