@@ -97,7 +97,13 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "generative: a Hypothesis search (tests/test_generative*.py), run "
-        "by `python -m pytest -m generative`, CI's generative job.",
+        "by `python -m pytest -m generative`, CI's second job.",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow: runs whole example scripts or multi-process clusters (a "
+        "minute or more of CPU each), run by `python -m pytest -m slow`, "
+        "CI's second job.",
     )
     config.addinivalue_line(
         "markers",

@@ -211,6 +211,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_multi_worker_mirrored_strategy():
     # All cases in one pair of worker processes, one after the other.
     cases = MULTI_WORKER_CASES

@@ -153,6 +153,7 @@ def _segmentation_runs(tmp_path_factory):
     return run.folder, outputs
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_segmentation_runs)
 def test_segmentation_smoke(tmp_path_factory):
     folder, _ = _segmentation_runs(tmp_path_factory)
@@ -172,6 +173,7 @@ def test_segmentation_smoke(tmp_path_factory):
     assert result["history"]["val_mean_iou"][-1] == result["val_mean_iou"]
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_segmentation_runs)
 def test_segmentation_killed_mid_epoch_resumes_exactly(tmp_path_factory):
     folder, outputs = _segmentation_runs(tmp_path_factory)
@@ -249,6 +251,7 @@ def _fake_pets(
     return dataset.apply(tf.data.experimental.assert_cardinality(len(examples)))
 
 
+@pytest.mark.slow
 def test_segmentation_oxford_pet_smoke(tmp_path):
     with tfds.testing.mock_data(
         policy=tfds.testing.MockPolicy.USE_CODE,
@@ -281,6 +284,7 @@ def test_segmentation_oxford_pet_smoke(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_custom_training_loop_smoke(data_dir, tmp_path):
     result = custom_training_loop.main(
         [
@@ -312,6 +316,7 @@ def test_custom_training_loop_smoke(data_dir, tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compare_accumulation_smoke(data_dir, tmp_path):
     summary = compare_accumulation.main(
         ["--smoke", "--data-dir", data_dir, "--output-dir", str(tmp_path)]
@@ -376,6 +381,7 @@ def start_background_runs(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_background_runs)
 def test_segmentation_memory_limit_smoke(tmp_path_factory):
     run = start_background_runs(tmp_path_factory)

@@ -46,6 +46,7 @@ def start_background_runs(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_language_model_smoke(tmp_path):
     result = language_model.main(["--smoke", "--output-dir", str(tmp_path)])
 
@@ -99,6 +100,7 @@ def test_language_model_rejects_bad_flags(flags, message, tmp_path):
         language_model.main(["--smoke", "--output-dir", str(tmp_path), *flags])
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_background_runs)
 def test_language_model_memory_limit_recovers_mid_epoch(tmp_path_factory):
     # In 26 MiB (a CPU limit, set before TensorFlow starts: a child process)

@@ -56,6 +56,7 @@ def _weights(path):
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_background_runs)
 def test_sigterm_backs_up_at_its_batch_and_resumes_exactly(
     tmp_path, tmp_path_factory

@@ -57,6 +57,7 @@ def _check_codes(result, codes):
         assert code == codes, (result["run"], stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_background_runs)
 def test_uninterrupted_run_with_one_backup_folder(tmp_path_factory):
     folder, runs = _runs(tmp_path_factory)
@@ -68,6 +69,7 @@ def test_uninterrupted_run_with_one_backup_folder(tmp_path_factory):
     assert not (folder / "reference_backup").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.background(start=start_background_runs)
 def test_killed_worker_then_sigterm_resume_exactly(tmp_path_factory):
     folder, runs = _runs(tmp_path_factory)
