@@ -2,11 +2,12 @@
 
 Import this module before TensorFlow so that the logging level is set in time.
 It defines the benchmark networks (dense networks of any width and depth, a
-small conv net and a U-Net), the synthetic data, the model/optimizer
-factories for the configurations being compared (plain ``keras.Model``,
-``GradientAccumulationModel`` across train steps or within one step with
-``micro_batch_size``, and the built-in ``gradient_accumulation_steps``
-optimizer option), plus small statistics and Markdown-table utilities.
+small conv net, a stack of Conv2D + BatchNormalization blocks and a U-Net),
+the synthetic data, the model/optimizer factories for the configurations
+being compared (plain ``keras.Model``, ``GradientAccumulationModel`` across
+train steps or within one step with ``micro_batch_size``, and the built-in
+``gradient_accumulation_steps`` optimizer option), plus small statistics and
+Markdown-table utilities.
 """
 
 import os
@@ -219,7 +220,32 @@ def mlp_graph(input_shape=(1024,), num_classes=10, width=1024, depth=4):
     return inputs, outputs
 
 
+def conv_bn_graph(input_shape=(16, 16, 3), num_classes=10, filters=16,
+                  blocks=12):
+    """A stack of ``blocks`` (Conv2D 3x3 -> BatchNormalization -> ReLU)
+    blocks of ``filters`` channels at the input's resolution, then global
+    average pooling and the logits: compute-bound (every block is a full
+    convolution), with as many BatchNormalization layers as convolutions."""
+    L = keras.layers
+    inputs = keras.Input(shape=input_shape, name="image")
+    x = inputs
+    for _ in range(blocks):
+        x = L.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        x = L.BatchNormalization()(x)
+        x = L.Activation("relu")(x)
+    x = L.GlobalAveragePooling2D()(x)
+    outputs = L.Dense(num_classes, name="logits", dtype="float32")(x)
+    return inputs, outputs
+
+
 def network_graph(spec):
+    if spec["arch"] == "conv_bn":
+        return conv_bn_graph(
+            tuple(spec["input_shape"]),
+            spec["num_classes"],
+            spec.get("filters", 16),
+            spec.get("blocks", 12),
+        )
     if spec["arch"] == "mlp":
         return mlp_graph(
             tuple(spec["input_shape"]),
@@ -274,7 +300,7 @@ def config_label(kind, n, micro_batch_size=None):
 
 
 def build_model(spec, kind, n=1, jit_compile=False, weights=None,
-                micro_batch_size=None):
+                micro_batch_size=None, accum_kwargs=None):
     """Build and compile one configuration.
 
     kind: "plain"     -> keras.Model, plain SGD
@@ -287,7 +313,9 @@ def build_model(spec, kind, n=1, jit_compile=False, weights=None,
                          moving statistics updated per micro-batch, as Keras does)
           "builtin"   -> keras.Model, SGD(..., gradient_accumulation_steps=n)
     All use SGD(lr=1e-3, momentum=0.9) and sparse categorical cross-entropy
-    from logits, no metrics.
+    from logits, no metrics. ``accum_kwargs``: further keyword arguments of
+    ``GradientAccumulationModel`` (e.g. ``non_finite_policy``) for the
+    "ours" kinds.
     """
     inputs, outputs = network_graph(spec)
     opt_kwargs = {}
@@ -297,6 +325,7 @@ def build_model(spec, kind, n=1, jit_compile=False, weights=None,
         if GradientAccumulationModel is None:
             raise RuntimeError(f"keras_accum not importable: {ACCUM_IMPORT_ERROR}")
         extra = {"window_batch_norm": False} if kind == "ours-nobn" else {}
+        extra.update(accum_kwargs or {})
         model = GradientAccumulationModel(
             inputs, outputs, gradient_accumulation_steps=n, **extra
         )
@@ -306,7 +335,8 @@ def build_model(spec, kind, n=1, jit_compile=False, weights=None,
         if micro_batch_size is None:
             raise ValueError("ours-instep needs micro_batch_size")
         model = GradientAccumulationModel(
-            inputs, outputs, micro_batch_size=micro_batch_size
+            inputs, outputs, micro_batch_size=micro_batch_size,
+            **(accum_kwargs or {})
         )
     elif kind == "builtin":
         model = keras.Model(inputs, outputs)

@@ -11,6 +11,15 @@ network and mode. Right: training-attributable peak memory vs N for plain
 N*B, ``GradientAccumulationModel`` (B, N) and the built-in optimizer option
 (B, N), with plain B and the goal limit as horizontal lines (one panel per
 memory measure in the JSON).
+
+``--features`` draws a figure of its own from ``features.py``'s JSON (which
+also calls ``plot_features`` for its ``--plot``): per network and mode, the
+time ratio of each feature to its counterpart (horizontal bars from 1: median
+of per-round ratios; whiskers: min-max), with the A/A control's min-max
+shaded:
+
+    python benchmarks/plot.py --features benchmarks/results/features_cpu.json \
+        --out benchmarks/results/features_cpu.png
 """
 
 import argparse
@@ -120,12 +129,81 @@ def plot_memory(ax, data, metric):
     ax.grid(alpha=0.3)
 
 
+FEATURE_NAMES = {
+    "aa": "A/A control", "across": "across steps, N=4",
+    "in_step": "in-step, micro_batch_size=B", "auto": "micro_batch_size='auto'",
+    "window_bn": "window BatchNorm", "non_finite": "non-finite check (skip)",
+    "mixed_float16": "mixed_float16", "backup": "BackupAndRestore",
+}
+
+
+def plot_features(data, out, clock="cpu"):
+    """Horizontal bars of ``features.py``'s ratios (B/A time per
+    micro-batch), one group per network and mode, the A/A band shaded."""
+    results = data["results"]
+    groups = []
+    for e in results:
+        if (e["network"], e["mode"]) not in groups:
+            groups.append((e["network"], e["mode"]))
+    fig, ax = plt.subplots(figsize=(8, 0.32 * (len(results) + 2 * len(groups)) + 1.5))
+    y = 0.0
+    ticks, labels, heads, lo, hi = [], [], [], 1.0, 1.0
+    for g in groups:
+        members = [e for e in results if (e["network"], e["mode"]) == g]
+        top = y
+        for e in members:
+            r = e["ratio"][clock]
+            color = COLORS["plain-aa"] if e["row"] == "aa" else COLORS["ours"]
+            ax.barh(y, r["median"] - 1.0, left=1.0, height=0.7, color=color)
+            ax.errorbar(r["median"], y, xerr=[[r["median"] - r["min"]],
+                                              [r["max"] - r["median"]]],
+                        color="k", capsize=2, lw=0.8)
+            ticks.append(y)
+            labels.append(FEATURE_NAMES.get(e["row"], e["row"]))
+            lo, hi = min(lo, r["min"]), max(hi, r["max"])
+            y += 1
+        band = next((e["ratio"][clock] for e in members if e["row"] == "aa"), None)
+        if band is not None:
+            ax.fill_betweenx([top - 0.5, y - 0.5], band["min"], band["max"],
+                             color="0.85", zorder=0)
+        heads.append((top - 0.9, f"{g[0]}, {g[1]}"))
+        y += 1.5
+    pad = 0.05 * max(hi - lo, 0.1)
+    ax.set_xlim(lo - pad, hi + pad)
+    for head_y, text in heads:
+        ax.text(lo - pad, head_y, " " + text, ha="left", va="center",
+                fontsize=8, fontweight="bold")
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylim(y - 1.0, -1.5)  # first group on top
+    clock_name = "process CPU time" if clock == "cpu" else "wall time"
+    ax.set_xlabel(f"time per micro-batch, with the feature / without "
+                  f"({clock_name})\n> 1: the feature costs time")
+    env = data["environment"]
+    ax.set_title(f"Cost per step of each feature (median, min-max over "
+                 f"{data['settings']['rounds']} rounds; shaded: A/A band)\n"
+                 f"{env['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    print(f"Wrote {out}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--throughput", default=None, help="JSON from throughput.py")
     parser.add_argument("--memory", default=None, help="JSON from memory.py")
+    parser.add_argument("--features", default=None,
+                        help="JSON from features.py (a figure of its own)")
     parser.add_argument("--out", required=True, help="PNG path")
     args = parser.parse_args(argv)
+    if args.features:
+        if args.throughput or args.memory:
+            parser.error("--features draws a figure of its own: give it alone")
+        with open(args.features) as f:
+            plot_features(json.load(f), args.out)
+        return 0
     panels = []
     if args.throughput:
         with open(args.throughput) as f:
@@ -136,7 +214,7 @@ def main(argv=None):
         for metric in mem["settings"]["metrics"]:
             panels.append(("memory", mem, metric))
     if not panels:
-        parser.error("give --throughput and/or --memory")
+        parser.error("give --throughput and/or --memory, or --features")
     widths = [2.2 if p[0] == "throughput" else 1.0 for p in panels]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * sum(widths), 5.5),
                              gridspec_kw={"width_ratios": widths}, squeeze=False)
