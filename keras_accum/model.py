@@ -594,13 +594,19 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def fit(self, x=None, *args, callbacks=None, **kwargs):
         callbacks = with_window_callbacks(self, callbacks, x, kwargs)
         # With our `BackupAndRestore`, the train step records its input.
-        records = any(
-            isinstance(c, BackupAndRestore)
+        backups = [
+            c
             for c in getattr(callbacks, "callbacks", callbacks)
-        )
-        if self.input_position.start_fit(records):
+            if isinstance(c, BackupAndRestore)
+        ]
+        if self.input_position.start_fit(bool(backups)):
             self.train_function = None
-        return super().fit(x, *args, callbacks=callbacks, **kwargs)
+        try:
+            return super().fit(x, *args, callbacks=callbacks, **kwargs)
+        finally:
+            # Keras skips `on_train_end` when `fit()` raises.
+            for backup in backups:
+                backup.release_signal_handler()
 
     def flush_gradients(self):
         """Applies the pending partial window, if any.

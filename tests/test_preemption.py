@@ -117,6 +117,25 @@ def test_previous_sigterm_handler_is_put_back(tmp_path):
         signal.signal(signal.SIGTERM, old)
 
 
+class _Fails(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("a callback failed")
+
+
+def test_sigterm_handler_is_put_back_when_fit_raises(tmp_path):
+    def previous(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        with pytest.raises(RuntimeError, match="a callback failed"):
+            _fit([BackupAndRestore(tmp_path / "b",
+                                   save_before_preemption=True), _Fails()])
+        assert signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_save_before_preemption_is_validated(tmp_path):
     for value in ("yes", 1, None):
         with pytest.raises(

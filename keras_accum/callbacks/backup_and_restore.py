@@ -236,7 +236,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._exit_if_preempted(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
-        self._sigterm.uninstall()
+        self.release_signal_handler()
         compat.set_initial_epoch(self.model, None)
         self.model.input_position.reset()
         if (
@@ -245,6 +245,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             and os.path.isdir(self.backup_dir)
         ):
             shutil.rmtree(self.backup_dir)
+
+    def release_signal_handler(self):
+        """Puts back the SIGTERM handler that `fit()` found (with
+        `save_before_preemption=True`; also when `fit()` raised)."""
+        self._sigterm.uninstall()
 
     def _exit_if_preempted(self, epoch, batches):
         """Backs up at `(epoch, batches)` and exits if any worker was sent
