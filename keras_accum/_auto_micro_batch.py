@@ -34,6 +34,7 @@ class DeviceMemory:
         cpu = self.device == "CPU:0"
         # Whether reaching the limit can end the process instead of raising.
         self.crashes_at_limit = cpu and self.limit is not None
+        self._has_statistics = None  # whether `reset_peak()` can reset
         self.unlimited = cpu and self.limit is None
 
     @contextlib.contextmanager
@@ -63,8 +64,13 @@ class DeviceMemory:
         return text
 
     def reset_peak(self):
-        with contextlib.suppress(ValueError, RuntimeError):
+        if self._has_statistics is False:
+            return  # a device without statistics: nothing to reset
+        try:
             tf.config.experimental.reset_memory_stats(self.device)
+            self._has_statistics = True
+        except (ValueError, RuntimeError):
+            self._has_statistics = False
 
     def check(self, jit_compile=False):
         """Warns where "auto" cannot find a limit, or may crash at one."""
@@ -126,7 +132,9 @@ class AutoMicroBatch:
         # Per kind: signature -> [size to try, smallest that failed].
         self._sizes = {"train": {}, "test": {}, "predict": {}}
         self._functions = {}  # (kind, size) -> Keras' function
-        self._snapshots = {}  # kind -> (its variables, the traced copy)
+        # kind -> (its variables, the traced copy): kept while no new
+        # function has run (a function's first call may make variables).
+        self._snapshots = {}
         self._said = {}  # (kind, signature) -> the size last reported
 
     def function(self, kind, make_function):
@@ -187,14 +195,13 @@ class AutoMicroBatch:
         call that copies them on the device, with no read on the host (the
         gradient buffers only where a window is pending: otherwise the step
         overwrites them)."""
-        variables = self._variables(kind, with_buffers=True)
-        ids = tuple(id(c) for c in variables)
-        if self._snapshots.get(kind, (None,))[0] != ids:  # variables made
+        if kind not in self._snapshots:
+            variables = self._variables(kind, with_buffers=True)
             self._snapshots[kind] = (
-                ids, self._snapshot_function(kind, variables)
+                variables, self._snapshot_function(kind, variables)
             )
-        values = self._snapshots[kind][1]()
-        return {id(c): (c, value) for c, value in zip(variables, values)}
+        variables, snapshot = self._snapshots[kind]
+        return variables, snapshot()
 
     def _snapshot_function(self, kind, variables):
         buffers = {
@@ -230,9 +237,11 @@ class AutoMicroBatch:
 
     def _roll_back(self, saved, kind):
         """Puts `_saved()`'s values back; zeroes variables made since."""
+        variables, values = saved
+        saved = {id(c): value for c, value in zip(variables, values)}
         for c in self._variables(kind, with_buffers=True):
             if id(c) in saved:
-                value = saved[id(c)][1]
+                value = saved[id(c)]
                 if value.shape.num_elements() == 0 and (
                     c.shape.num_elements() != 0
                 ):
@@ -293,6 +302,8 @@ class AutoMicroBatch:
             self.memory.reset_peak()
             if (kind, size) not in self._functions:
                 self._functions[kind, size] = make_function(size)
+                # Its first call may make variables: snapshot them next time.
+                self._snapshots.pop(kind, None)
             try:
                 with self.memory.raising_at_limit():
                     result = self._functions[kind, size](
