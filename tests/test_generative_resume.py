@@ -5,7 +5,8 @@ compiled metrics, validation data, the input's kind, reshuffling pipelines
 included, N, in-step micro-batches, `steps_per_execution`, Dropout, mixed
 precision, `MirroredStrategy`, `save_freq`, `flush_at_epoch_end`) and one or
 two places to kill it with SIGKILL (a train batch or a validation batch of
-any epoch). The
+any epoch; in the second test, only an epoch's last train batch or its
+validation). The
 script runs uninterrupted, then killed at each place and started again with
 the same command until it ends; the restarted run must end with the
 uninterrupted run's weights (float64: within 1e-12; mixed precision:
@@ -44,8 +45,10 @@ RESTARTS = os.path.join(os.path.dirname(__file__), "resume", "restarts.py")
 BATCH, VALIDATION_BATCHES, EPOCHS = 8, 2, 3
 
 @st.composite
-def scripts(draw):
-    """`resume/train.py`'s options, and the kills in the order they come."""
+def scripts(draw, places="anywhere"):
+    """`resume/train.py`'s options, and the kills in the order they come:
+    at any train or validation batch (`places="anywhere"`), or only at an
+    epoch's end (`"epoch_end"`: its last train batch, or validation)."""
     samples = draw(st.sampled_from([48, 52, 56]))
     options = ["--samples", str(samples)]
     data = draw(st.sampled_from(
@@ -87,7 +90,8 @@ def scripts(draw):
     # Where to kill: (epoch, in validation, 1-based batch).
     batches = math.ceil(samples / BATCH)
     place = st.tuples(
-        st.integers(0, EPOCHS - 1), st.just(False), st.integers(1, batches)
+        st.integers(0, EPOCHS - 1), st.just(False),
+        st.integers(1, batches) if places == "anywhere" else st.just(batches),
     )
     if validation:
         place = place | st.tuples(
@@ -159,12 +163,15 @@ def _weights(path):
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
 
 
-@settings(
-    # Half the profile's examples: 5 in `ci`, 75 in `long`.
+# Half the profile's examples per test: 5 in `ci`, 75 in `long`.
+_SEARCH = settings(
     max_examples=max(1, settings.default.max_examples // 2),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+@_SEARCH
 @given(script=scripts())
 # Found by this test: input of unknown length whose last call of
 # `steps_per_execution` is short, backed up at that call's nominal end and
@@ -178,6 +185,24 @@ def _weights(path):
     ["v0:1"],
 ))
 def test_killed_script_resumes_exactly(script, runs, tmp_path_factory):
+    _assert_resumes_exactly(script, runs, tmp_path_factory)
+
+
+# An epoch's end on its own: a search of its own, which a crash found
+# anywhere else does not end (Hypothesis stops looking soon after a first
+# failure). Killed after the epoch's last train batch or in validation,
+# a restart resumes at the epoch's end: past the short last call of a
+# `steps_per_execution` that does not divide the epoch, before validation
+# and the epoch's callbacks.
+@_SEARCH
+@given(script=scripts(places="epoch_end"))
+def test_killed_at_an_epochs_end_resumes_exactly(
+    script, runs, tmp_path_factory
+):
+    _assert_resumes_exactly(script, runs, tmp_path_factory)
+
+
+def _assert_resumes_exactly(script, runs, tmp_path_factory):
     options, kills = script
     note(f"train.py {' '.join(options)}; killed at {kills}")
     folder = tmp_path_factory.mktemp("script")
