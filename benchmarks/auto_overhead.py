@@ -1,0 +1,127 @@
+"""What `micro_batch_size="auto"` costs per step against a fixed size.
+
+**What it measures.** CPU time per train step of three models that train
+the same batches of B rows as one micro-batch each, from the same initial
+weights, on a device without a memory limit (where "auto" keeps whole
+batches):
+
+| side | model |
+| --- | --- |
+| `fixed` | `GradientAccumulationModel(micro_batch_size=B)` |
+| `auto` | `GradientAccumulationModel(micro_batch_size="auto")` |
+| `auto_no_snapshot` | "auto" with the per-step snapshot left out (`--no-snapshot` rows only: a diagnosis, not a usable mode: a step that runs out of memory could not be rolled back) |
+
+"auto" takes each batch out of the iterator eagerly (so that a step that
+runs out of memory can be trained again on the same batch), snapshots the
+state a step writes in one traced call, then calls the step on the batch.
+The `auto_no_snapshot` side shows what the snapshot's call costs on its
+own.
+
+**How.** One process. The models are built, compiled and warmed up (two
+`fit()` calls of the timed length), then `--rounds` (7) interleaved rounds
+follow: in each, each model runs `fit(dataset, epochs=1,
+steps_per_epoch=--steps)` (256 for the small MLP, 64 for the conv net),
+the order reversed every other round. Each call is timed by process CPU
+time; reported: ms per step (median over rounds), and the ratio to `fixed`
+round by round (median, min-max).
+
+Two networks (benchmarks/features.py's): `small_mlp` (overhead-bound) and
+`conv_bn` (12 blocks of Conv2D + BatchNormalization, compute-bound), B=32.
+
+    python benchmarks/auto_overhead.py                 # about a minute
+    python benchmarks/auto_overhead.py --no-snapshot   # adds the diagnosis (69 s)
+"""
+
+import argparse
+import time
+import warnings
+
+import common
+from common import fmt, markdown_table, median
+
+import keras  # after common, which sets TF's logging level first
+from features import network_specs
+
+STEPS = {"small_mlp": 256, "conv_bn": 64}
+
+
+def build(spec, micro_batch_size, weights):
+    inputs, outputs = common.network_graph(spec)
+    model = common.GradientAccumulationModel(
+        inputs, outputs, micro_batch_size=micro_batch_size
+    )
+    model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(
+            learning_rate=common.LEARNING_RATE, momentum=common.MOMENTUM
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def seconds_per_step(model, data, steps):
+    start = time.process_time()
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
+    return (time.process_time() - start) / steps
+
+
+def run_network(name, spec, rounds, steps, no_snapshot):
+    b = spec["batch_size"]
+    weights = common.reference_weights(spec)
+    data = common.make_data(spec, b, num_batches=8)
+    with warnings.catch_warnings():
+        # "auto" warns that a CPU without a limit trains whole batches.
+        warnings.simplefilter("ignore")
+        models = {"fixed": build(spec, b, weights),
+                  "auto": build(spec, "auto", weights)}
+        if no_snapshot:
+            model = build(spec, "auto", weights)
+            # The snapshot's values are put back only after an
+            # out-of-memory error, which a device without a limit never
+            # raises here.
+            model.auto_micro_batch._saved = lambda kind: ([], [])
+            models["auto_no_snapshot"] = model
+        for model in models.values():
+            for _ in range(2):
+                seconds_per_step(model, data, steps)
+    times = {side: [] for side in models}
+    for r in range(rounds):
+        order = list(models) if r % 2 == 0 else list(models)[::-1]
+        for side in order:
+            times[side].append(seconds_per_step(models[side], data, steps))
+    rows = []
+    for side, values in times.items():
+        ratios = [v / f for v, f in zip(values, times["fixed"])]
+        rows.append([
+            name, side, fmt(median(values) * 1e3, 3), fmt(median(ratios), 3),
+            f"{min(ratios):.3f}–{max(ratios):.3f}",
+        ])
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--networks", default="small_mlp,conv_bn")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per fit() call (default: per network)")
+    parser.add_argument("--no-snapshot", action="store_true",
+                        help="also time 'auto' without its snapshot")
+    args = parser.parse_args()
+    common.print_environment(common.environment())
+    specs = network_specs(quick=False)
+    rows = []
+    for name in args.networks.split(","):
+        rows += run_network(
+            name, specs[name], args.rounds, args.steps or STEPS[name],
+            args.no_snapshot,
+        )
+    print(markdown_table(
+        ["network", "side", "CPU ms/step (median)", "ratio to fixed (median)",
+         "ratio range"], rows,
+    ))
+
+
+if __name__ == "__main__":
+    main()
