@@ -40,6 +40,13 @@ fixed ``micro_batch_size`` at that batch, and samples per second of each;
 every probe in a fresh process. Without a GPU the limits apply to the CPU
 (TF's BFC allocator, oneDNN off): use ``--quick`` and small limits there.
 
+After the U-Net table, ``features.py`` (each guarantee's cost per step
+against its plain counterpart, with an A/A control) and
+``auto_overhead.py`` (``micro_batch_size="auto"`` against the fixed size it
+keeps, with and without its per-step snapshot) run on the same device, each
+in a process of its own (``--no-features`` skips them; with ``--json
+PATH``, features.py's figures go to ``PATH`` with ``_features.json``).
+
 Usage:
     python benchmarks/gpu.py                 # on a GPU machine
     python benchmarks/gpu.py --quick         # CPU smoke test
@@ -278,6 +285,11 @@ def main(argv=None):
                              "(default 2: cuDNN autotuning)")
     parser.add_argument("--limit-timed", type=int, default=3,
                         help="--limit-mb: timed steps (default 3)")
+    parser.add_argument("--no-features", action="store_true",
+                        help="skip features.py and auto_overhead.py (each "
+                             "guarantee's cost per step, and 'auto' against "
+                             "a fixed micro-batch), which run after the "
+                             "U-Net table")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -388,6 +400,8 @@ def main(argv=None):
         ))
         print(f"\n{args.rounds} interleaved rounds x {args.steps} micro-batches per "
               "configuration; 'throughput vs plain' > 1 means faster than plain.")
+    if not args.no_features:
+        failures.update(run_feature_benchmarks(args, child_env))
     if not on_gpu:
         print("\nNOTE: no GPU was found; these are CPU numbers (smoke test only).")
     total = time.perf_counter() - t_start
@@ -403,6 +417,33 @@ def main(argv=None):
         "total_seconds": total,
     })
     return 1 if failures else 0
+
+
+def run_feature_benchmarks(args, env):
+    """`features.py` (each guarantee's cost per step against its plain
+    counterpart) and `auto_overhead.py` ("auto" against the fixed size it
+    keeps), each in a process of its own on the same device; their tables
+    are printed as they come. Returns `{script: error}` for those that
+    failed."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    features = ["--quick"] if args.quick else []
+    if args.json:
+        features += ["--json", args.json.replace(".json", "_features.json")]
+    overhead = ["--no-snapshot"]
+    if args.quick:
+        overhead += ["--rounds", "2", "--steps", "8"]
+    failures = {}
+    for script, extra in (("features.py", features),
+                          ("auto_overhead.py", overhead)):
+        print(f"\n### {script} {' '.join(extra)}\n", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, os.path.join(here, script), *extra], env=env
+        )
+        print(f"{script}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if proc.returncode != 0:
+            failures[script] = f"exit {proc.returncode}"
+    return failures
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ test): the uninterrupted run; worker 1 killed with SIGKILL mid-window
 (batch 3 of epoch 1), worker 0 then killed too; both restarted, worker 1
 sent SIGTERM during batch 3 of epoch 2 (`save_before_preemption=True`):
 both back up there and exit with `PREEMPTION_EXIT_CODE`; both restarted
-to the end. The resumed workers end with the uninterrupted run's weights.
+to the end; then, into another folder, worker 0 (the chief, the one that
+writes) killed mid-window (worker 1's collective then fails, or it is
+killed too), both restarted to the end. The resumed workers end with the uninterrupted run's weights.
 """
 
 import json
@@ -34,7 +36,7 @@ def start_background_runs(tmp_path_factory):
     return start(
         tmp_path_factory, "resume_multi_worker",
         lambda folder: [sys.executable, SCRIPT, str(folder)], env,
-        timeout=4 * 240,
+        timeout=6 * 240,
     )
 
 
@@ -95,3 +97,33 @@ def test_killed_worker_then_sigterm_resume_exactly(tmp_path_factory):
         record("resumed two workers after SIGKILL and SIGTERM", diff)
         assert diff <= 1e-12, f"worker {worker} differs: {diff:.3g}"
     assert not (folder / "backup").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.background(start=start_background_runs)
+def test_killed_chief_resumes_exactly(tmp_path_factory):
+    folder, runs = _runs(tmp_path_factory)
+    # The chief killed after batch 3 of epoch 1: its backup after batch 2
+    # is the only one left, and worker 1 restores it too. Worker 1 either
+    # raises, its collective aborted when the chief's connection drops
+    # (TensorFlow's error), or is killed while it waits.
+    chief, other = runs["chief_killed"]["returncodes"]
+    assert chief == -signal.SIGKILL, runs["chief_killed"]["stderr"][0]
+    stderr = runs["chief_killed"]["stderr"][1]
+    assert other == -signal.SIGKILL or (
+        other == 1 and "Collective ops is aborted" in stderr
+    ), stderr
+    assert runs["chief_killed"]["backups"] == [[1, 2]]
+    _check_codes(runs["chief_resumed"], 0)
+    for worker in (0, 1):
+        starts = (folder / f"chief_starts-{worker}.jsonl").read_text()
+        assert [json.loads(line) for line in starts.splitlines()] == [
+            [0, 0, 0], [1, 2, 2],
+        ]
+        diff = relative_difference(
+            _weights(folder / f"uninterrupted-{worker}.npz"),
+            _weights(folder / f"chief_resumed-{worker}.npz"),
+        )
+        record("resumed two workers after the chief's SIGKILL", diff)
+        assert diff <= 1e-12, f"worker {worker} differs: {diff:.3g}"
+    assert not (folder / "chief_backup").exists()

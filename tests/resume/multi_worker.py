@@ -15,10 +15,16 @@ TensorFlow op (`forking.py`). One after the other:
   sends itself SIGTERM as batch 3 of epoch 2 starts (between two
   `save_freq` points): both back up there and
   exit with `BackupAndRestore.PREEMPTION_EXIT_CODE`;
-- `resumed`: both restarted, to the end.
+- `resumed`: both restarted, to the end;
+- `chief_killed`: into `FOLDER/chief_backup`, worker 0 (the chief, which
+  writes the backups) kills itself with SIGKILL after batch 3 of epoch 1;
+  worker 1 raises when its collective is aborted (TensorFlow's error once
+  the chief's connection drops), or is killed while it waits;
+- `chief_resumed`: both restarted, to the end.
 
 Worker `i` of run `r` writes `OUT_FILE` `FOLDER/<r>-<i>.npz` and logs where
-it starts in `FOLDER/starts-<i>.jsonl`. Prints one JSON line per run: its
+it starts in `FOLDER/starts-<i>.jsonl` (the chief's runs: in
+`FOLDER/chief_starts-<i>.jsonl`). Prints one JSON line per run: its
 name, each worker's exit code (negative: the signal that ended it) and
 stderr's end, the backups in the folder after it (`[epoch, batches]` of
 each `position.json`), and its duration.
@@ -49,6 +55,8 @@ RUNS = {
     ),
     "resumed": ("backup", ["--save-before-preemption"],
                 ["--save-before-preemption"]),
+    "chief_killed": ("chief_backup", ["--kill", "1:3"], []),
+    "chief_resumed": ("chief_backup", [], []),
 }
 TIMEOUT = 240  # seconds, per run
 
@@ -101,22 +109,27 @@ def main(folder):
     for name, (backup, *options) in RUNS.items():
         start = time.monotonic()
         cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(2)]}
+        log = "chief_" if name.startswith("chief") else ""
         pids, stderrs = [], []
         for index in (0, 1):
             argv = [os.path.join(folder, f"{name}-{index}.npz"),
                     os.path.join(folder, backup), *OPTIONS,
-                    "--log", os.path.join(folder, f"starts-{index}.jsonl"),
+                    "--log", os.path.join(folder, f"{log}starts-{index}.jsonl"),
                     *options[index]]
             stderrs.append(tempfile.NamedTemporaryFile("r"))
             pids.append(forking.fork(
                 _worker(index, cluster, argv), stderrs[-1].name
             ))
         deadline = time.monotonic() + TIMEOUT
-        codes = [None, _wait(pids[1], deadline)]
-        if name == "killed":
-            # Worker 0 waits for the killed one in a collective: kill it.
-            os.kill(pids[0], signal.SIGKILL)
-        codes[0] = _wait(pids[0], deadline)
+        # The worker that kills itself (if any) first: the other one then
+        # waits for it in a collective, and is killed.
+        killed = 0 if "--kill" in options[0] else 1
+        other = 1 - killed
+        codes = [None, None]
+        codes[killed] = _wait(pids[killed], deadline)
+        if name in ("killed", "chief_killed"):
+            os.kill(pids[other], signal.SIGKILL)
+        codes[other] = _wait(pids[other], deadline)
         print(json.dumps({
             "run": name,
             "returncodes": codes,
