@@ -59,6 +59,22 @@ def _check_codes(result, codes):
         assert code == codes, (result["run"], stderr)
 
 
+def _check_resumed(folder, prefix, starts, what):
+    """Each worker's starts (`[epoch, updates, pending micro-batches]` of
+    each run), its resumed weights against the uninterrupted run's, and the
+    backup folder gone at the end."""
+    for worker in (0, 1):
+        logged = (folder / f"{prefix}starts-{worker}.jsonl").read_text()
+        assert [json.loads(line) for line in logged.splitlines()] == starts
+        diff = relative_difference(
+            _weights(folder / f"uninterrupted-{worker}.npz"),
+            _weights(folder / f"{prefix}resumed-{worker}.npz"),
+        )
+        record(what, diff)
+        assert diff <= 1e-12, f"worker {worker} differs: {diff:.3g}"
+    assert not (folder / f"{prefix}backup").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.background(start=start_background_runs)
 def test_uninterrupted_run_with_one_backup_folder(tmp_path_factory):
@@ -84,19 +100,10 @@ def test_killed_worker_then_sigterm_resume_exactly(tmp_path_factory):
     _check_codes(runs["preempted"], BackupAndRestore.PREEMPTION_EXIT_CODE)
     assert runs["preempted"]["backups"] == [[2, 3]]
     _check_codes(runs["resumed"], 0)
-    # Where each run started: [epoch, updates, pending micro-batches].
-    for worker in (0, 1):
-        starts = (folder / f"starts-{worker}.jsonl").read_text()
-        assert [json.loads(line) for line in starts.splitlines()] == [
-            [0, 0, 0], [0, 0, 0], [1, 2, 2], [2, 4, 3],
-        ]
-        diff = relative_difference(
-            _weights(folder / f"uninterrupted-{worker}.npz"),
-            _weights(folder / f"resumed-{worker}.npz"),
-        )
-        record("resumed two workers after SIGKILL and SIGTERM", diff)
-        assert diff <= 1e-12, f"worker {worker} differs: {diff:.3g}"
-    assert not (folder / "backup").exists()
+    _check_resumed(
+        folder, "", [[0, 0, 0], [0, 0, 0], [1, 2, 2], [2, 4, 3]],
+        "resumed two workers after SIGKILL and SIGTERM",
+    )
 
 
 @pytest.mark.slow
@@ -115,15 +122,7 @@ def test_killed_chief_resumes_exactly(tmp_path_factory):
     ), stderr
     assert runs["chief_killed"]["backups"] == [[1, 2]]
     _check_codes(runs["chief_resumed"], 0)
-    for worker in (0, 1):
-        starts = (folder / f"chief_starts-{worker}.jsonl").read_text()
-        assert [json.loads(line) for line in starts.splitlines()] == [
-            [0, 0, 0], [1, 2, 2],
-        ]
-        diff = relative_difference(
-            _weights(folder / f"uninterrupted-{worker}.npz"),
-            _weights(folder / f"chief_resumed-{worker}.npz"),
-        )
-        record("resumed two workers after the chief's SIGKILL", diff)
-        assert diff <= 1e-12, f"worker {worker} differs: {diff:.3g}"
-    assert not (folder / "chief_backup").exists()
+    _check_resumed(
+        folder, "chief_", [[0, 0, 0], [1, 2, 2]],
+        "resumed two workers after the chief's SIGKILL",
+    )
