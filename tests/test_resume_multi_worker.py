@@ -10,7 +10,8 @@ sent SIGTERM during batch 3 of epoch 2 (`save_before_preemption=True`):
 both back up there and exit with `PREEMPTION_EXIT_CODE`; both restarted
 to the end; then, into another folder, worker 0 (the chief, the one that
 writes) killed mid-window (worker 1's collective then fails, or it is
-killed too), both restarted to the end. The resumed workers end with the uninterrupted run's weights.
+killed too), both restarted to the end. The resumed workers end with the
+uninterrupted run's weights.
 """
 
 import json

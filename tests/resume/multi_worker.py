@@ -122,12 +122,13 @@ def main(folder):
             ))
         deadline = time.monotonic() + TIMEOUT
         # The worker that kills itself (if any) first: the other one then
-        # waits for it in a collective, and is killed.
-        killed = 0 if "--kill" in options[0] else 1
+        # waits for it in a collective (or has failed there): kill it.
+        kills = ["--kill" in worker_options for worker_options in options]
+        killed = kills.index(True) if any(kills) else 1
         other = 1 - killed
         codes = [None, None]
         codes[killed] = _wait(pids[killed], deadline)
-        if name in ("killed", "chief_killed"):
+        if any(kills):
             os.kill(pids[other], signal.SIGKILL)
         codes[other] = _wait(pids[other], deadline)
         print(json.dumps({
