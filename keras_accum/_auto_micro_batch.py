@@ -322,6 +322,9 @@ class AutoMicroBatch:
                 # The failed size's function holds memory (constants).
                 self._functions.pop((kind, size), None)
                 gc.collect()
+                if kind == "train" and size <= 1 and self._recompute(shape):
+                    state[1] = None
+                    continue
                 state[1] = size if state[1] is None else min(state[1], size)
                 size = self._halved(kind, size, shape, error)
         if kind == "train":
@@ -334,6 +337,25 @@ class AutoMicroBatch:
             else:
                 self._say_chosen(kind, size, rows, signature)
         return result
+
+    def _recompute(self, shape):
+        """Turns `remat="auto"`'s recomputation on, if it is off; says so."""
+        remat = self.model._remat
+        if remat.spec != "auto" or remat.enabled:
+            return False
+        remat.enable()
+        self._functions = {
+            key: f for key, f in self._functions.items() if key[0] != "train"
+        }
+        self._snapshots.pop("train", None)
+        if self.verbose:
+            print(
+                "Out of memory with micro-batches of 1 row of the batch of "
+                f"{shape[0]} (input shape {shape}): the step was rolled back "
+                "and is trained again recomputing activations in the backward "
+                "pass (remat=True)."
+            )
+        return True
 
     def _say_chosen(self, kind, size, rows, signature):
         if self._said.get((kind, signature)) == size:

@@ -343,3 +343,86 @@ class MomentsPatch:
             else:
                 object.__setattr__(obj, name, own)
         self._own, self._assigned = [], False
+
+
+# Recomputation (keras_accum/remat.py): what a layer's `__call__` sets up
+# around `call()`, the graph of a functional model, and seed generators.
+from keras.src.backend.common.masking import set_keras_mask  # noqa: E402
+from keras.src.backend.common.variables import AutocastScope  # noqa: E402
+
+if not hasattr(Functional, "_run_through_graph"):  # pragma: no cover
+    raise _missing("`Functional._run_through_graph`")
+
+
+def call_state():
+    """The autocast scope and call context a layer's `call()` runs in."""
+    return (
+        global_state.get_global_attribute("autocast_scope"),
+        global_state.get_global_attribute("current_call_ctx"),
+    )
+
+
+@contextlib.contextmanager
+def entered_call_state(state):
+    """Runs a block in the `call_state()` captured when it first ran."""
+    autocast, call_context = state
+    previous = call_state()
+    global_state.set_global_attribute("autocast_scope", autocast)
+    global_state.set_global_attribute("current_call_ctx", call_context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", previous[0])
+        global_state.set_global_attribute("current_call_ctx", previous[1])
+
+
+def seed_generators(layer):
+    """The `SeedGenerator`s of `layer` and of the layers it holds."""
+    found = []
+    for sublayer in layers_of(layer):
+        generators = vars(sublayer).get("_seed_generators")
+        if generators is None:
+            raise _missing("layers keep their seed generators in `_seed_generators`")
+        found.extend(generators)
+    return found
+
+
+def graph_of(model):
+    """The `Functional` whose graph `model` runs (a `Sequential`'s own), or
+    `None` for a subclassed model."""
+    if isinstance(model, Functional):
+        return model
+    if isinstance(model, keras.Sequential):
+        model.build() if not model.built else None
+        return vars(model).get("_functional")
+    return None
+
+
+def graph_nodes(functional):
+    """The nodes of `functional`'s graph in the order Keras runs them."""
+    by_depth = vars(functional).get("_nodes_by_depth")
+    if by_depth is None:
+        raise _missing("functional models keep their nodes in `_nodes_by_depth`")
+    return [
+        node
+        for depth in sorted(by_depth, reverse=True)
+        for node in by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+
+
+def fill_in(node, tensors):
+    """A node's call arguments, its input tensors taken from `tensors` (by
+    the id of the symbolic tensor)."""
+    return node.arguments.fill_in(tensors)
+
+
+def outputs_structure(functional):
+    """The structure `functional`'s outputs are returned in."""
+    structure = vars(functional).get("_outputs_struct", _MISSING_ATTRIBUTE)
+    if structure is _MISSING_ATTRIBUTE:
+        raise _missing("functional models keep `_outputs_struct`")
+    return structure
+
+
+_MISSING_ATTRIBUTE = object()

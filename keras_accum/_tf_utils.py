@@ -138,3 +138,31 @@ def run_if(pred, fn):
         (tf.constant(0), tf.constant(False)),
     )
     return result
+
+
+def in_xla_context():
+    """Whether the function being traced is compiled by XLA (any device)."""
+    graph = current_graph()
+    if graph is None:
+        return False
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - depends on the TF version
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def optimization_barrier(tensors):
+    """`tensors` through XLA's optimization barrier: XLA neither moves a
+    computation on the outputs before the barrier nor merges it with one on
+    the inputs. Only inside a function that XLA compiles."""
+    from tensorflow.compiler.tf2xla.python import xla
+
+    return list(xla.optimization_barrier(*tensors))
+
+
+def stop_recording():
+    """A block whose operations no gradient tape records."""
+    from tensorflow.python.eager import record
+
+    return record.stop_recording()

@@ -12,6 +12,7 @@ from keras_accum import _keras_compat as compat
 from keras_accum import _model_classes as classes
 from keras_accum import _saved_window as saved_window
 from keras_accum import loss_normalizer
+from keras_accum import remat as remat_lib
 from keras_accum._auto_micro_batch import AutoMicroBatch
 from keras_accum._input_position import InputPosition
 from keras_accum._fit_hooks import EpochEnd
@@ -37,6 +38,7 @@ _CONFIG_KEYS = (
     "non_finite_policy",
     "window_batch_norm",
     "micro_batch_size",
+    "remat",
 )
 
 
@@ -50,6 +52,7 @@ class _Window:
         non_finite_policy="auto",
         window_batch_norm=True,
         micro_batch_size=None,
+        remat=False,
     ):
         if not isinstance(flush_at_epoch_end, bool):
             raise ValueError(
@@ -58,6 +61,9 @@ class _Window:
             )
         self.flush_at_epoch_end = flush_at_epoch_end
         self.micro_batch_size = _validate_micro_batch_size(micro_batch_size)
+        self.remat = remat_lib.Rematerialization(
+            _validate_remat(remat, self.micro_batch_size)
+        )
         self.batch_norm_statistics = WindowBatchNormStatistics(
             window_batch_norm
         )
@@ -67,6 +73,7 @@ class _Window:
         # The window also for N = 1.
         self.accumulator.accumulates = (
             self.micro_batch_size is not None
+            or self.remat.spec is not False
             or non_finite_policy in ("skip_window", "drop_micro_batch")
         )
 
@@ -85,6 +92,20 @@ def _validate_micro_batch_size(value):
             f"Received: micro_batch_size={value!r}"
         )
     return validate_steps(value, "micro_batch_size")
+
+
+def _validate_remat(value, micro_batch_size):
+    """`remat`, validated (`"auto"` only with `micro_batch_size="auto"`)."""
+    value = remat_lib.validate_remat(remat_lib.remat_from_config(value))
+    if value == "auto" and micro_batch_size != "auto":
+        raise ValueError(
+            "`remat='auto'` turns recomputation on when one sample per "
+            "micro-batch does not fit, which `micro_batch_size='auto'` finds "
+            "out. Received: remat='auto' with "
+            f"micro_batch_size={micro_batch_size!r}. Set "
+            "`micro_batch_size='auto'`, or `remat=True`."
+        )
+    return value
 
 
 def _check_optimizer(optimizer, policy, wrapped_for_loss_scaling=False):
@@ -255,6 +276,16 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             window is `gradient_accumulation_steps` train steps. `"auto"`:
             the largest micro-batch that fits in the device's memory (a
             step that runs out of memory is run again with half of it).
+        remat: `False` (default), `True`, `"auto"`, or a list of layer
+            names and `keras.layers.Layer` classes. Recompute activations in
+            the backward pass instead of keeping them: `True` recomputes
+            each block (a layer that holds layers and weights; a nested
+            model that holds blocks is looked into), or cuts a functional
+            graph of plain layers into about sqrt(n) segments; a list
+            recomputes the layers it names. `"auto"` (with
+            `micro_batch_size="auto"`) turns `True` on once one sample per
+            micro-batch does not fit. The update is unchanged
+            (docs/semantics.md).
         *args, **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -297,6 +328,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         non_finite_policy="auto",
         window_batch_norm=True,
         micro_batch_size=None,
+        remat=False,
         **kwargs,
     ):
         _check_backend()
@@ -306,6 +338,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             non_finite_policy,
             window_batch_norm,
             micro_batch_size,
+            remat,
         )
         # A parent's functional build (a keras-hub task): docs/design.md.
         with compat.building_functionally(self, self._functional_class):
@@ -330,6 +363,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         self.input_position = InputPosition()
         self.epoch_end = EpochEnd()
         self._auto_micro_batch = self._micro_batch_size = None
+        self._remat = window.remat
         self._use_micro_batch_size(window.micro_batch_size)
         if getattr(self, "optimizer", None) is not None:
             # Compiled by a parent's `__init__`, or before `from_model()`.
@@ -379,7 +413,31 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if self._use_micro_batch_size(value):
             self._retrace()
 
+    @property
+    def remat(self):
+        """`False`, `True`, `"auto"` or a tuple of layer names and classes:
+        what the backward pass recomputes (docs/semantics.md); settable."""
+        return self._remat.spec
+
+    @remat.setter
+    def remat(self, value):
+        value = _validate_remat(value, self.micro_batch_size
+                                if self._auto_micro_batch is None else "auto")
+        if value == self._remat.spec:
+            return
+        self._remat = remat_lib.Rematerialization(value)
+        if value is not False:
+            self.gradient_accumulator.accumulates = True
+        self._retrace()
+
+    @property
+    def remat_active(self):
+        """bool: whether the backward pass recomputes now (with `"auto"`,
+        once one sample per micro-batch did not fit)."""
+        return self._remat.enabled
+
     def _retrace(self):
+        self._remat.forget()
         self._flush_function = None
         self.test_function = self.predict_function = None
         if getattr(self, "train_function", None) is not None:
@@ -428,7 +486,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             gradient_accumulation_steps: int >= 1, micro-batches per update.
             **kwargs: the other `GradientAccumulationModel` arguments
                 (`flush_at_epoch_end`, `non_finite_policy`,
-                `window_batch_norm`, `micro_batch_size`).
+                `window_batch_norm`, `micro_batch_size`, `remat`).
 
         Returns:
             `model` itself, now accumulating.
@@ -469,6 +527,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         policy = window.accumulator.non_finite_policy
         if getattr(model, "optimizer", None) is not None:
             _check_optimizer(model.optimizer, policy)
+        if window.remat.spec is not False:
+            window.remat.check(model)
         model.__class__ = classes.accumulating_class(
             type(model),
             GradientAccumulationModel,
@@ -512,6 +572,8 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         _check_in_step_sync(self)
+        self._remat.check(self)
+        self._remat.forget()
         self._build_window_state()
         auto = self._auto_micro_batch
         if auto is not None:
@@ -639,7 +701,9 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """One micro-batch's predictions, loss, normaliser and size."""
         batch_size = tf.shape(_first_tensor(x))[0]
         if training:
-            with self._batch_norm_statistics.record(self):
+            with self._batch_norm_statistics.record(self), self._remat.active(
+                self
+            ):
                 y_pred = compat.call_model(self, x, training=True)
         else:
             y_pred = compat.call_model(self, x, training=False)
@@ -837,11 +901,14 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
     def _step_logs(self, logs):
         if self.gradient_accumulator.accumulates and self.optimizer is not None:
             logs = dict(logs, updates=self.optimizer.iterations)
+        if self._remat.spec == "auto" and self._remat.enabled:
+            logs = dict(logs, remat=tf.constant(1))
         return _multi_worker_logs(self.distribute_strategy, logs)
 
     def get_config(self):
         config = super().get_config()
         config.update({key: getattr(self, key) for key in _CONFIG_KEYS})
+        config["remat"] = remat_lib.remat_config(self.remat)
         if self._auto_micro_batch is not None:
             config["micro_batch_size"] = "auto"
         base = getattr(type(self), "_converted_from", None)

@@ -1,0 +1,397 @@
+"""`remat=`: recomputation changes the memory, never the update.
+
+Each case trains the same model (same initial weights, same samples, same
+seeds) twice, without and with recomputation, and compares every weight
+(BatchNormalization's moving statistics included) and the optimizer's
+variables: in float64 they must agree to 1e-12. The model without `remat`
+is itself held to the big batch by tests/test_equivalence.py. The blocks
+have `Dropout` and `BatchNormalization`, so that a recomputation that drew
+new masks or moved the statistics again would show (the mutation tests at
+the end check that it would).
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_accum
+from keras_accum import remat as remat_lib
+
+GAM = keras_accum.GradientAccumulationModel
+EXACT = 1e-12
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_tests")
+class ResidualBlock(keras.layers.Layer):
+    """Conv, BatchNormalization, ReLU, Dropout, and the residual add; with
+    `activity` an activity-regularised Dense inside (an `add_loss`)."""
+
+    def __init__(self, channels=4, activity=False, **kwargs):
+        super().__init__(**kwargs)
+        self.channels, self.activity = channels, activity
+        self.conv = keras.layers.Conv2D(channels, 3, padding="same",
+                                        use_bias=False)
+        self.norm = keras.layers.BatchNormalization()
+        self.dropout = keras.layers.Dropout(0.3)
+        self.mix = keras.layers.Dense(
+            channels,
+            activity_regularizer=keras.regularizers.L2(0.1) if activity
+            else None,
+        )
+
+    def call(self, x, training=None):
+        h = keras.activations.relu(self.norm(self.conv(x), training=training))
+        h = self.dropout(h, training=training)
+        return x + self.mix(h)
+
+    def get_config(self):
+        return dict(super().get_config(), channels=self.channels,
+                    activity=self.activity)
+
+
+def residual_net(blocks=3, activity=False, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6, 6, 4))
+    x = inputs
+    for _ in range(blocks):
+        x = ResidualBlock(4, activity=activity)(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+
+
+def plain_graph(seed=0):
+    """A functional graph of plain layers with a skip (a small U-Net)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 3))
+    a = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    a = keras.layers.BatchNormalization()(a)
+    b = keras.layers.MaxPooling2D()(a)
+    b = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(b)
+    b = keras.layers.Dropout(0.2)(b)
+    b = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(b)
+    c = keras.layers.UpSampling2D()(b)
+    c = keras.layers.Concatenate()([c, a])
+    c = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(c)
+    c = keras.layers.BatchNormalization()(c)
+    return keras.Model(inputs, keras.layers.Conv2D(2, 1)(c))
+
+
+def _data(shape, outputs, n=24, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.rand(n, *shape)
+    y = rng.rand(n, *outputs)
+    return x, y
+
+
+def _train(make, remat, data, fit=None, compile_kwargs=None, **options):
+    model = GAM.from_model(make(), remat=remat, **options)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        **(compile_kwargs or {}),
+    )
+    keras.utils.set_random_seed(7)  # the same dropout seeds in both runs
+    history = model.fit(*data, **dict(dict(batch_size=4, epochs=2,
+                                           shuffle=False, verbose=0),
+                                      **(fit or {})))
+    return model, history
+
+
+def _assert_same_training(a, b, tolerance=EXACT):
+    assert len(a.weights) == len(b.weights)
+    for wa, wb in zip(a.weights, b.weights):
+        np.testing.assert_allclose(
+            np.asarray(wa, np.float64), np.asarray(wb, np.float64),
+            rtol=0, atol=tolerance, err_msg=wa.path,
+        )
+    for va, vb in zip(a.optimizer.variables, b.optimizer.variables):
+        np.testing.assert_allclose(
+            np.asarray(va, np.float64), np.asarray(vb, np.float64),
+            rtol=0, atol=tolerance, err_msg=va.path,
+        )
+
+
+def _moved(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(wa) - np.asarray(wb))))
+        for wa, wb in zip(a.weights, b.weights)
+    )
+
+
+@pytest.fixture
+def float64():
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+
+
+STEP_OPTIONS = {
+    "graph": (dict(gradient_accumulation_steps=3), {}, {}),
+    "eager": (dict(gradient_accumulation_steps=3), dict(run_eagerly=True), {}),
+    "jit": (dict(gradient_accumulation_steps=3), dict(jit_compile=True), {}),
+    "in_step": (
+        dict(gradient_accumulation_steps=2, micro_batch_size=2), {},
+        dict(batch_size=6),
+    ),
+    "in_step_jit": (
+        dict(gradient_accumulation_steps=2, micro_batch_size=2),
+        dict(jit_compile=True), dict(batch_size=6),
+    ),
+    "n1": (dict(gradient_accumulation_steps=1), {}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_OPTIONS))
+def test_residual_blocks_train_as_without_remat(float64, case):
+    options, compile_kwargs, fit = STEP_OPTIONS[case]
+    data = _data((6, 6, 4), (2,))
+    runs = [
+        _train(residual_net, remat, data, fit, compile_kwargs, **options)
+        for remat in (False, True)
+    ]
+    (plain, plain_history), (ours, history) = runs
+    assert ours.remat is True and ours.remat_active
+    _assert_same_training(plain, ours)
+    np.testing.assert_allclose(
+        plain_history.history["loss"], history.history["loss"], rtol=1e-12
+    )
+    assert _moved(residual_net(), ours) > 1e-3  # it trained
+
+
+def test_mixed_float16_within_float_tolerance():
+    keras.config.set_dtype_policy("mixed_float16")
+    data = tuple(a.astype("float32") for a in _data((6, 6, 4), (2,)))
+    plain, _ = _train(residual_net, False, data, gradient_accumulation_steps=3)
+    ours, _ = _train(residual_net, True, data, gradient_accumulation_steps=3)
+    assert isinstance(ours.optimizer, keras.optimizers.LossScaleOptimizer)
+    _assert_same_training(plain, ours, tolerance=1e-5)
+
+
+def test_functional_graph_is_cut_into_segments(float64):
+    model = plain_graph()
+    plan = remat_lib.plan(model, True)
+    assert not plan.blocks and len(plan.graphs) == 1
+    segments = plan.graphs[0][1]
+    assert len(segments) > 1
+    assert sum(len(s.nodes) for s in segments) == len(model.layers) - 1
+    data = _data((8, 8, 3), (8, 8, 2))
+    plain, _ = _train(plain_graph, False, data, gradient_accumulation_steps=2)
+    ours, _ = _train(plain_graph, True, data, gradient_accumulation_steps=2)
+    _assert_same_training(plain, ours)
+
+
+def test_activity_regulariser_inside_a_block(float64):
+    # The loss a block adds in its `call()` reaches the gradient also when
+    # the block is recomputed.
+    make = lambda: residual_net(activity=True)  # noqa: E731
+    data = _data((6, 6, 4), (2,))
+    plain, _ = _train(make, False, data, gradient_accumulation_steps=2)
+    ours, _ = _train(make, True, data, gradient_accumulation_steps=2)
+    _assert_same_training(plain, ours)
+
+
+def test_named_layers_and_classes(float64):
+    model = residual_net()
+    names = [layer.name for layer in model.layers[1:3]]
+    assert remat_lib.plan(model, tuple(names)).blocks == model.layers[1:3]
+    by_class = remat_lib.plan(model, (ResidualBlock,)).blocks
+    assert by_class == model.layers[1:4]
+    # A layer inside a chosen one is recomputed with it.
+    inner = model.layers[1].conv
+    assert remat_lib.plan(model, (names[0], inner.name)).blocks == [
+        model.layers[1]
+    ]
+    data = _data((6, 6, 4), (2,))
+    plain, _ = _train(residual_net, False, data, gradient_accumulation_steps=2)
+    ours, _ = _train(residual_net, [ResidualBlock], data,
+                     gradient_accumulation_steps=2)
+    assert ours.remat == (ResidualBlock,)
+    _assert_same_training(plain, ours)
+
+
+def test_blocks_of_a_nested_model_are_found():
+    keras.utils.set_random_seed(0)
+    inner_inputs = keras.Input((6, 6, 4))
+    x = ResidualBlock()(ResidualBlock()(inner_inputs))
+    backbone = keras.Model(inner_inputs, x, name="backbone")
+    inputs = keras.Input((6, 6, 4))
+    model = keras.Model(inputs, keras.layers.Dense(2)(backbone(inputs)))
+    assert remat_lib.plan(model, True).blocks == backbone.layers[1:]
+
+
+def test_recomputation_runs_in_the_backward_pass(float64):
+    # Each block's `call()` traces once for the forward pass and once for
+    # the recomputation (and once for neither without `remat`).
+    calls = []
+
+    class Counted(ResidualBlock):
+        def call(self, x, training=None):
+            calls.append(self.name)
+            return super().call(x, training=training)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6, 6, 4))
+        x = Counted()(Counted()(inputs))
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+    data = _data((6, 6, 4), (2,), n=4)
+    counts = {}
+    for remat in (False, True):
+        calls.clear()
+        _train(make, remat, data, dict(epochs=1),
+               gradient_accumulation_steps=1)
+        counts[remat] = len(calls)
+    # Two blocks: the symbolic build calls both without `remat` too.
+    assert counts[True] - counts[False] == 2
+
+
+def test_saved_mid_window_and_resumed_with_remat(float64, tmp_path):
+    # Saved with a window pending, loaded twice: resumed with `remat` and
+    # without, the two go on alike, and the file keeps `remat`.
+    path = str(tmp_path / "remat.keras")
+
+    class SaveAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                assert int(self.model.micro_step) == 1
+                self.model.save(path)
+
+    data = _data((6, 6, 4), (2,))
+    _train(residual_net, [ResidualBlock, "head"], data,
+           dict(epochs=1, callbacks=[SaveAt()]), gradient_accumulation_steps=5)
+    loaded = []
+    for remat in (True, False):
+        keras.utils.set_random_seed(3)  # Dropout's seeds are drawn anew
+        model = keras.saving.load_model(path)
+        assert model.remat == (ResidualBlock, "head")
+        assert int(model.micro_step) == 1
+        model.remat = model.remat if remat else False
+        model.fit(*data, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        loaded.append(model)
+    ours, plain = loaded
+    assert ours.remat_active and not plain.remat_active
+    _assert_same_training(plain, ours)
+
+
+def test_keras_hub_gpt2_task(float64):
+    from helpers import import_keras_hub
+
+    keras_hub = import_keras_hub()
+
+    def make():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, max_sequence_length=12, dropout=0.2,
+        )
+        return keras_hub.models.GPT2CausalLM(backbone=backbone,
+                                             preprocessor=None)
+
+    task = make()
+    plan = remat_lib.plan(task, True)
+    assert [type(b).__name__ for b in plan.blocks] == ["TransformerDecoder"] * 2
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 50, (8, 12))
+    mask = np.arange(12)[None] < rng.randint(4, 13, (8, 1))
+    x = {"token_ids": tokens, "padding_mask": mask}
+    runs = []
+    for remat in (False, True):
+        model = GAM.from_model(make(), gradient_accumulation_steps=2,
+                               remat=remat)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        keras.utils.set_random_seed(7)
+        model.fit(x, tokens, sample_weight=mask, batch_size=2, epochs=1,
+                  shuffle=False, verbose=0)
+        runs.append(model)
+    _assert_same_training(*runs)
+
+
+@pytest.mark.parametrize(
+    "value", [1, "yes", [], ["dense", 3], [keras.Model.fit], "Auto"]
+)
+def test_invalid_values_raise(value):
+    with pytest.raises(ValueError, match="remat"):
+        GAM.from_model(residual_net(), gradient_accumulation_steps=2,
+                       remat=value)
+
+
+def test_unknown_layer_name_raises():
+    with pytest.raises(ValueError, match=r"not in the model.*'nope'"):
+        GAM.from_model(residual_net(), gradient_accumulation_steps=2,
+                       remat=["nope"])
+
+
+def test_auto_needs_auto_micro_batches():
+    with pytest.raises(ValueError, match="micro_batch_size='auto'"):
+        GAM.from_model(residual_net(), gradient_accumulation_steps=2,
+                       remat="auto")
+    model = GAM.from_model(residual_net(), gradient_accumulation_steps=2,
+                           micro_batch_size="auto", remat="auto")
+    assert model.remat == "auto" and not model.remat_active
+
+
+def test_nothing_to_recompute_warns_once():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = GAM(inputs, keras.layers.Dense(1)(inputs), remat=True)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 3)), np.ones((8, 1))
+    with pytest.warns(UserWarning, match="nothing to recompute") as record:
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert sum("nothing to recompute" in str(w.message) for w in record) == 1
+
+
+@pytest.mark.parametrize("mutation", ["seeds", "stateless"])
+def test_mutations_are_caught(float64, monkeypatch, mutation):
+    # Without the forward pass's seeds (new Dropout masks) or with the
+    # recomputation writing state (BatchNormalization moving twice), the
+    # comparison above fails: it can tell.
+    if mutation == "seeds":
+        monkeypatch.setattr(remat_lib.compat, "seed_generators",
+                            lambda layer: [])
+    else:
+        class Stateful(keras.StatelessScope):
+            def __init__(self, state_mapping=None, collect_losses=False):
+                super().__init__(state_mapping=state_mapping)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *args):
+                return None
+
+        monkeypatch.setattr(remat_lib.keras, "StatelessScope", Stateful)
+    data = _data((6, 6, 4), (2,))
+    plain, _ = _train(residual_net, False, data, gradient_accumulation_steps=3)
+    ours, _ = _train(residual_net, True, data, gradient_accumulation_steps=3)
+    with pytest.raises(AssertionError):
+        _assert_same_training(plain, ours)
+
+
+CHILD = os.path.join(os.path.dirname(__file__), "remat_child.py")
+
+
+def _child(*args, env=None, timeout=300):
+    run = subprocess.run(
+        [sys.executable, CHILD, *args], capture_output=True, text=True,
+        timeout=timeout, env=dict(os.environ, **(env or {})),
+    )
+    return run
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_two_replicas():
+    run = _child("mirrored")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "difference" in run.stdout
+    difference = float(run.stdout.split("difference")[-1].split()[0])
+    assert difference <= EXACT, run.stdout
