@@ -134,6 +134,9 @@ def cases(draw, strategy=st.sampled_from(STRATEGIES)):
         optimizer=draw(st.sampled_from(OPTIMIZERS)),
         steps_per_execution=draw(st.integers(1, 1 if mirrored else 3)),
         seed=draw(st.integers(0, 3)),
+        # Recomputation of one or both layers in the backward pass (the
+        # names of `remat=`, comma-separated; a case is hashable).
+        remat=draw(st.sampled_from(["", "hidden", "hidden,logits"])),
     )
     assume(excluded(case) is None)
     return case
@@ -186,8 +189,8 @@ def build(case, cls, **kwargs):
     h = inputs
     if case["loss"] == "masking":
         h = keras.layers.Masking(0.0)(h)
-    h = keras.layers.Dense(4, activation="tanh")(h)
-    outputs = keras.layers.Dense(CLASSES)(h)
+    h = keras.layers.Dense(4, activation="tanh", name="hidden")(h)
+    outputs = keras.layers.Dense(CLASSES, name="logits")(h)
     return cls(inputs, outputs, **kwargs)
 
 
@@ -268,6 +271,7 @@ def train_ours(case, x, y, w, initial, strategy=None):
             gradient_accumulation_steps=case["steps"],
             micro_batch_size=case["micro_batch_size"],
             flush_at_epoch_end=case["flush_at_epoch_end"],
+            remat=case["remat"].split(",") if case.get("remat") else False,
         )
         ours.set_weights(initial)
         ours.compile(
