@@ -231,7 +231,11 @@ def mask_to_rgb(mask, num_classes):
     return rgb
 
 
-def save_prediction_grid(model, val_ds, class_names, path, count=6):
+def save_prediction_grid(model, val_ds, class_names, path, count=6,
+                         batch_size=None):
+    """Input, true mask and predicted mask of the first `count` validation
+    images; `batch_size`: images per forward pass (default: all at once;
+    1 where a memory limit holds a single image's activations only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,7 +251,11 @@ def save_prediction_grid(model, val_ds, class_names, path, count=6):
     masks = np.concatenate(masks)[:count]
     # A plain forward pass rather than `predict()`: no collective ops, so this
     # also works on the chief alone under a multi-worker strategy.
-    predicted = np.argmax(model(images, training=False).numpy(), axis=-1)
+    step = batch_size or len(images)
+    predicted = np.concatenate([
+        np.argmax(model(images[i:i + step], training=False).numpy(), axis=-1)
+        for i in range(0, len(images), step)
+    ])
 
     num_classes = len(class_names)
     fig, axes = plt.subplots(
@@ -300,8 +308,11 @@ def save_training_curves(history, path, title=""):
 
 
 def write_outputs(model, history, val_ds, class_names, output_dir, title,
-                  results, args):
+                  results, args, predict_batch_size=None):
     """Writes the prediction grid, the curves and metrics.json (chief only).
+
+    `predict_batch_size`: images per forward pass of the prediction grid
+    (default: all of them at once).
 
     Returns:
         dict from output name to its path (empty on other workers).
@@ -313,6 +324,7 @@ def write_outputs(model, history, val_ds, class_names, output_dir, title,
         "predictions": save_prediction_grid(
             model, val_ds, class_names,
             os.path.join(output_dir, "predictions.png"),
+            batch_size=predict_batch_size,
         ),
         "training_curves": save_training_curves(
             history, os.path.join(output_dir, "training_curves.png"), title
@@ -644,9 +656,14 @@ class AutoMicroBatchLog(keras.callbacks.Callback):
         steps = len({(r["epoch"], r["batch"]) for r in self.recoveries})
         if not errors:
             return "No train step ran out of memory"
+        # `remat="auto"` turns recomputation on instead of going below 1.
+        how = "with smaller micro-batches"
+        if any("recomputing activations" in r["message"]
+               for r in self.recoveries):
+            how += " or recomputing activations"
         return (f"{errors} out-of-memory error{'s' * (errors != 1)} in "
                 f"{steps} train step{'s' * (steps != 1)}, each rolled back "
-                "and trained again with smaller micro-batches")
+                f"and trained again {how}")
 
     def _read(self, batch):
         if self._tee is None:

@@ -67,6 +67,41 @@ is rolled back and trains it in micro-batches of at most 128, and prints
 the micro-batches of the last epoch and the peak memory against the limit.
 The validation batches are smaller (32): evaluation does not split them.
 
+## Recomputing activations
+
+When not even one image fits, "auto" gives up ("Not even one row of the
+batch fits"). `--remat` passes `remat=True`: the forward pass of training
+keeps only the tensors at the boundaries of about sqrt(n) segments of the
+U-Net's graph (6 segments of 3 to 19 layers at the default depth), and the
+backward pass runs each segment again from them before taking its
+gradients. The update is the same; a train step costs about one forward
+pass more. `--remat auto` passes `remat="auto"` with
+`micro_batch_size="auto"` (also without `--memory-limit-mb`): it trains
+without recomputation and turns it on only once a micro-batch of one image
+runs out of memory. The run prints whether recomputation was on.
+
+What recomputation saves is the activations kept for the backward pass,
+not what one layer needs at a time, and on a CPU one layer needs a lot:
+the backward pass of a 3x3 convolution unfolds its input, one image at a
+time, into a matrix of 9 x channels values per pixel, in one piece (432
+MiB at 512x512 for the 48 input channels of the full-resolution decoder's
+first convolution). With the default depth, one image of 512x512 trains
+in about the same limit with or without recomputation (it does fit
+micro-batches of 2 where a plain step fits one). With `--depth 5` (7.9 million weights instead of 0.5 million, and
+two more levels of activations) a plain step runs out of memory even for
+one image in 960 to 1120 MiB, and the recomputed one trains:
+
+```
+python examples/segmentation.py --image-size 512 --depth 5 --batch-size 2 \
+    --max-samples 4 --epochs 1 --memory-limit-mb 1024 --verbose 2  # OOM
+python examples/segmentation.py --image-size 512 --depth 5 --batch-size 2 \
+    --max-samples 4 --epochs 1 --memory-limit-mb 1024 --verbose 2 --remat
+```
+
+Each takes about a minute on two CPU cores; `--remat auto` about a
+minute and a half (one more out-of-memory error: one image without
+recomputation; once it is on, "auto" keeps micro-batches of one image).
+
 ## Resuming a killed run
 
 With `--backup-dir DIR`, `keras_accum.callbacks.BackupAndRestore` backs
@@ -78,8 +113,8 @@ fixed seed: the restart replays the orders of the epochs before the backup,
 so the backup needs no shuffle buffer. `fit()`'s `History` only holds the
 epochs trained after the restart, so a small callback keeps every epoch's
 logs in `DIR` too, for `metrics.json` and the curves. `DIR` is deleted when
-training ends. (Not with `--memory-limit-mb`: "auto" would choose its
-micro-batches again after a restart.)
+training ends. (Not with `--memory-limit-mb` or `--remat auto`: "auto"
+would choose its micro-batches again after a restart.)
 
 ## Running it
 
@@ -91,6 +126,7 @@ python examples/segmentation.py --dataset oxford_iiit_pet --image-size 128 \
     --epochs 10 --mixed-precision mixed_float16          # on a GPU
 python examples/segmentation.py --smoke                 # tiny, a few steps
 python examples/segmentation.py --memory-limit-mb 1024  # batches of 256 in 1 GiB
+python examples/segmentation.py --remat                 # recompute activations
 python examples/segmentation.py --backup-dir backups/segmentation  # resumable
 ```
 
@@ -106,9 +142,10 @@ The run writes, to `--output-dir`:
 * `predictions.png`: input, true mask and predicted mask for a few validation
   images;
 * `training_curves.png`: loss and mean IoU per epoch, train and validation;
-* `metrics.json`: the final numbers and the settings used (with
-  `--memory-limit-mb`, also the plain model's error, the micro-batch chosen
-  and the peak memory).
+* `metrics.json`: the final numbers and the settings used, `remat_active`
+  (whether the backward pass recomputed activations) and, with
+  `--memory-limit-mb`, the plain model's error, the micro-batch chosen and
+  the peak memory.
 
 With `--memory-limit-mb 1024` the run takes two to three minutes on a
 two-core CPU: 2 epochs of 4 updates on batches of 256 images, to a
@@ -117,6 +154,7 @@ few). Every out-of-memory error costs about 10 seconds there: TensorFlow's
 allocator waits that long for memory to be freed before it gives up.
 """
 
+import argparse
 import contextlib
 import gc
 import json
@@ -280,18 +318,24 @@ def unet_layers(image_size, num_classes, width=16, depth=3):
 
 
 def build_model(args, num_classes):
-    """The U-Net as a `GradientAccumulationModel`; with `--memory-limit-mb`,
-    each train step splits its batch into micro-batches that fit."""
+    """The U-Net as a `GradientAccumulationModel`; with `--memory-limit-mb`
+    (or `--remat auto`), each train step splits its batch into micro-batches
+    that fit. `--remat` recomputes activations in the backward pass."""
     inputs, logits = unet_layers(
         args.image_size, num_classes, width=args.width, depth=args.depth
     )
+    remat = getattr(args, "remat", False)
     return keras_accum.GradientAccumulationModel(
         inputs,
         logits,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         micro_batch_size=(
-            "auto" if getattr(args, "memory_limit_mb", None) else None
+            "auto" if getattr(args, "memory_limit_mb", None)
+            or remat == "auto" else None
         ),
+        # The functional U-Net is a graph of plain layers: `True` cuts it
+        # into about sqrt(n) segments, each recomputed in the backward pass.
+        remat=remat,
         name="unet",
     )
 
@@ -442,8 +486,43 @@ def result_of_child(args, code):
 # ---------------------------------------------------------------------------
 
 
+def remat_flag(value):
+    """`--remat`'s value: only "auto" (`--remat` alone means `True`)."""
+    if value.lower() == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError(
+        f"expected no value or 'auto'. Received: --remat {value}")
+
+
+def describe_remat(remat, active):
+    """One line: whether the backward pass recomputed activations."""
+    if not remat:
+        return "Recomputation (remat): off."
+    state = "on" if active else "off"
+    if remat == "auto":
+        why = ("one sample per micro-batch did not fit" if active else
+               "one sample per micro-batch fitted, so it was not needed")
+        return f"Recomputation (remat='auto'): {state} ({why})."
+    return f"Recomputation (remat=True): {state}."
+
+
 def build_parser():
     parser = utils.build_parser(utils.docstring_title(__doc__))
+    parser.add_argument(
+        "--remat",
+        nargs="?",
+        const=True,
+        default=False,
+        type=remat_flag,
+        metavar="auto",
+        help="Recompute activations in the backward pass instead of keeping "
+        "them (remat=True: the U-Net's graph is cut into about sqrt(n) "
+        "segments, each run again in the backward pass). '--remat auto': "
+        "micro_batch_size='auto' (also without --memory-limit-mb), and "
+        "recomputation turns on only if one sample per micro-batch does not "
+        "fit. The update is the same; a step costs about one more forward "
+        "pass.",
+    )
     parser.add_argument(
         "--memory-limit-mb",
         type=int,
@@ -463,6 +542,14 @@ def main(argv=None):
     start = time.perf_counter()
     args = build_parser().parse_args(argv)
     utils.check_backup_flags(args)
+    if args.remat == "auto" and args.backup_dir:
+        # As with --memory-limit-mb: "auto" chooses again after a restart.
+        raise ValueError(
+            "--backup-dir cannot be used with --remat auto (it trains with "
+            "micro_batch_size='auto'): a restarted run would choose its "
+            "micro-batches again and could not end with the uninterrupted "
+            f"run's figures. Received: --backup-dir {args.backup_dir} "
+            "--remat auto")
     if args.memory_limit_mb:
         # On a CPU the limit must be set before TensorFlow starts: then the
         # run happens in a child process.
@@ -539,10 +626,15 @@ def main(argv=None):
         "val_loss": float(history["val_loss"][-1]),
         "train_loss": float(history["loss"][-1]),
         "optimizer_updates": int(model.optimizer.iterations.numpy()),
+        "remat": args.remat,
+        # With "auto": whether it turned recomputation on.
+        "remat_active": bool(model.remat_active),
         "wall_time_s": time.perf_counter() - start,
     }
     title = (f"U-Net on {args.dataset}, batch {global_batch} x "
              f"{args.gradient_accumulation_steps} accumulation steps")
+    if model.remat_active:
+        title += ", recomputed activations"
     if memory:
         # The micro-batch of each step of the last epoch, next to its rows.
         rows = [int(n) for n in train_ds.map(
@@ -561,7 +653,13 @@ def main(argv=None):
     paths = utils.write_outputs(
         model, history, val_ds, class_names, args.output_dir, title,
         results, args,
+        # Under a limit, one image per forward pass: the batch of the grid
+        # is not split into micro-batches.
+        predict_batch_size=1 if args.memory_limit_mb else None,
     )
+    print(describe_remat(args.remat, results["remat_active"]))
+    print(f"Final loss: train {results['train_loss']:.4f}, validation "
+          f"{results['val_loss']:.4f}")
     print(f"Final validation mean IoU: {results['val_mean_iou']:.4f}")
     print(f"Wall time: {results['wall_time_s']:.1f} s")
     return {**results, "paths": paths, "history": history}
