@@ -8,6 +8,7 @@ batches):
 | side | model |
 | --- | --- |
 | `fixed` | `GradientAccumulationModel(micro_batch_size=B)` |
+| `fixed_again` | a second, identical `fixed` model: the A/A control, whose ratio to `fixed` is the noise band |
 | `auto` | `GradientAccumulationModel(micro_batch_size="auto")` |
 | `auto_no_snapshot` | "auto" with the per-step snapshot left out (`--no-snapshot` rows only: a diagnosis, not a usable mode: a step that runs out of memory could not be rolled back) |
 
@@ -27,9 +28,14 @@ round by round (median, min-max).
 
 Two networks (benchmarks/features.py's): `small_mlp` (overhead-bound) and
 `conv_bn` (12 blocks of Conv2D + BatchNormalization, compute-bound), B=32.
+`--input` chooses what `fit()` gets: a `tf.data` pipeline (`dataset`, the
+default) or NumPy arrays (`arrays`, `fit(x, y, batch_size=B)`);
+`--threads 1` pins TensorFlow to one intra- and one inter-op thread (the
+default: TensorFlow's own).
 
     python benchmarks/auto_overhead.py                 # about a minute
     python benchmarks/auto_overhead.py --no-snapshot   # adds the diagnosis (69 s)
+    python benchmarks/auto_overhead.py --networks conv_bn --input arrays --threads 1
 """
 
 import argparse
@@ -40,6 +46,7 @@ import common
 from common import fmt, markdown_table, median
 
 import keras  # after common, which sets TF's logging level first
+import numpy as np
 from features import network_specs
 
 STEPS = {"small_mlp": 256, "conv_bn": 64}
@@ -62,18 +69,37 @@ def build(spec, micro_batch_size, weights):
 
 def seconds_per_step(model, data, steps):
     start = time.process_time()
-    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
+    if isinstance(data, tuple):  # arrays, `steps` batches of B
+        x, y, b = data
+        model.fit(x[: steps * b], y[: steps * b], batch_size=b, epochs=1,
+                  verbose=0, shuffle=False)
+    else:
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0,
+                  shuffle=False)
     return (time.process_time() - start) / steps
 
 
-def run_network(name, spec, rounds, steps, no_snapshot):
+def arrays(spec, b, steps, seed=0):
+    """`steps` batches of B samples as NumPy arrays, and B."""
+    rng = np.random.default_rng(seed)
+    n = b * steps
+    x = rng.random((n,) + tuple(spec["input_shape"]), dtype=np.float32)
+    y = rng.integers(0, spec["num_classes"], size=(n,), dtype=np.int32)
+    return x, y, b
+
+
+def run_network(name, spec, rounds, steps, no_snapshot, input_kind):
     b = spec["batch_size"]
     weights = common.reference_weights(spec)
-    data = common.make_data(spec, b, num_batches=8)
+    if input_kind == "arrays":
+        data = arrays(spec, b, steps)
+    else:
+        data = common.make_data(spec, b, num_batches=8)
     with warnings.catch_warnings():
         # "auto" warns that a CPU without a limit trains whole batches.
         warnings.simplefilter("ignore")
         models = {"fixed": build(spec, b, weights),
+                  "fixed_again": build(spec, b, weights),
                   "auto": build(spec, "auto", weights)}
         if no_snapshot:
             model = build(spec, "auto", weights)
@@ -108,14 +134,20 @@ def main():
                         help="steps per fit() call (default: per network)")
     parser.add_argument("--no-snapshot", action="store_true",
                         help="also time 'auto' without its snapshot")
+    parser.add_argument("--input", choices=["dataset", "arrays"],
+                        default="dataset")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra- and inter-op threads (default: TF's)")
     args = parser.parse_args()
-    common.print_environment(common.environment())
+    if args.threads:
+        common.configure_threads(args.threads, args.threads)
+    common.print_environment(common.environment(args.threads, args.threads))
     specs = network_specs(quick=False)
     rows = []
     for name in args.networks.split(","):
         rows += run_network(
             name, specs[name], args.rounds, args.steps or STEPS[name],
-            args.no_snapshot,
+            args.no_snapshot, args.input,
         )
     print(markdown_table(
         ["network", "side", "CPU ms/step (median)", "ratio to fixed (median)",

@@ -256,13 +256,16 @@ class AutoMicroBatch:
     def _halved(self, kind, size, shape, error):
         """The size to try after `size` ran out of memory; says so."""
         if size <= 1:
+            remat = "" if self.model.remat is not False else (
+                "`remat=True` (or `remat='auto'`) to recompute activations, "
+            )
             raise tf.errors.ResourceExhaustedError(
                 None,
                 None,
                 "Not even one row of the batch fits: a micro-batch of 1 row "
                 f"of input shape {(1,) + shape[1:]} (the batch: {shape}) ran "
-                f"out of {self.memory.describe()}. Use smaller inputs, a "
-                "smaller model, mixed precision or a device with more memory. "
+                f"out of {self.memory.describe()}. Use {remat}smaller inputs, "
+                "a smaller model, mixed precision or a device with more memory. "
                 f"The error was: {error.message.splitlines()[0]}",
             ) from error
         if self.verbose:
@@ -323,7 +326,6 @@ class AutoMicroBatch:
                 self._functions.pop((kind, size), None)
                 gc.collect()
                 if kind == "train" and size <= 1 and self._recompute(shape):
-                    state[1] = None
                     continue
                 state[1] = size if state[1] is None else min(state[1], size)
                 size = self._halved(kind, size, shape, error)
@@ -389,11 +391,19 @@ def out_of_memory_hint(model, error):
             f"`micro_batch_size={max(1, size // 2)}`" if size > 1
             else "a smaller input or model"
         )
+    remat = ""
+    if model.remat is False:
+        remat = (
+            " If one sample per micro-batch does not fit, `remat=True` "
+            "recomputes activations in the backward pass instead of keeping "
+            "them (`remat='auto'` with `micro_batch_size='auto'`: when "
+            "needed)."
+        )
     return tf.errors.ResourceExhaustedError(
         error.node_def,
         error.op,
         f"Out of memory in a train step with {what}. Try {suggestion}, or "
         "`micro_batch_size='auto'` to train with the largest micro-batch "
-        "that fits and recover from out-of-memory errors. The error was: "
-        f"{error.message}",
+        f"that fits and recover from out-of-memory errors.{remat} The error "
+        f"was: {error.message}",
     )

@@ -2,6 +2,15 @@
 their own (logical devices, a memory limit set before TensorFlow starts).
 
     python tests/remat_child.py mirrored
+    python tests/remat_child.py limit VARIANT WEIGHTS.npy
+
+`limit` trains `deep_net()` on 4 samples, 2 per update, and saves the
+final weights, or prints `out of memory`. VARIANT: `plain` (`keras.Model`,
+one sample per step), `ours` (`GradientAccumulationModel`, N=2 of one
+sample), `remat` (the same with `remat=True`), `in_step` (batches of 2,
+`micro_batch_size=1`), `auto` (batches of 2, `micro_batch_size="auto"`,
+`remat="auto"`). The memory
+limit comes from the environment (`TF_CPU_BFC_MEM_LIMIT_IN_MB`).
 """
 
 import os
@@ -48,5 +57,72 @@ def mirrored():
     print(f"moved {moved:.3e} difference {difference:.3e}")
 
 
+class SequenceBlock(keras.layers.Layer):
+    """Per position: Dense, BatchNormalization, ReLU, Dropout, Dense, and
+    the residual add. (No convolution: some of TensorFlow's CPU
+    convolution kernels ask for a workspace, wait for the allocator when it
+    is refused, then go on without it, which makes a run under a limit
+    slow.)"""
+
+    def __init__(self, channels, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(channels)
+        self.norm = keras.layers.BatchNormalization()
+        self.dropout = keras.layers.Dropout(0.3)
+        self.outer = keras.layers.Dense(channels)
+
+    def call(self, x, training=None):
+        h = keras.activations.relu(self.norm(self.inner(x), training=training))
+        return x + self.outer(self.dropout(h, training=training))
+
+
+SHAPE = (4096, 8)
+
+
+def deep_net():
+    """24 blocks on 4096 positions: activations far larger than weights."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(SHAPE)
+    x = inputs
+    for _ in range(24):
+        x = SequenceBlock(SHAPE[-1])(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+
+
+def limit(variant, path):
+    # One operation at a time: a failed allocation then waits for TF's
+    # allocator (10 s) once, not once per operation running beside it.
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    x, y = test_remat._data(SHAPE, (2,), n=4)
+    options = dict(gradient_accumulation_steps=2, remat=variant == "remat")
+    batch_size = 1
+    if variant in ("auto", "in_step"):
+        # The micro-batches inside the step; "auto" ends at one row.
+        options = dict(gradient_accumulation_steps=1, micro_batch_size=1)
+        if variant == "auto":
+            options.update(micro_batch_size="auto", remat="auto")
+        batch_size = 2
+    model = deep_net()
+    if variant != "plain":
+        model = keras_accum.GradientAccumulationModel.from_model(
+            model, **options
+        )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    keras.utils.set_random_seed(7)
+    try:
+        history = model.fit(x, y, batch_size=batch_size, epochs=1,
+                            shuffle=False, verbose=0)
+    except tf.errors.ResourceExhaustedError as error:
+        print("out of memory:", error.message.splitlines()[0][:200])
+        return
+    np.save(path, np.concatenate([np.ravel(w) for w in model.get_weights()]))
+    print("trained; remat active:",
+          getattr(model, "remat_active", False),
+          "logs:", sorted(history.history))
+
+
 if __name__ == "__main__":
-    {"mirrored": mirrored}[sys.argv[1]]()
+    {"mirrored": mirrored, "limit": limit}[sys.argv[1]](*sys.argv[2:])
