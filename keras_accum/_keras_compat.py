@@ -376,6 +376,11 @@ def entered_call_state(state):
         global_state.set_global_attribute("current_call_ctx", previous[1])
 
 
+def direct_layers(layer):
+    """The layers `layer` holds itself (not those they hold)."""
+    return layer._flatten_layers(include_self=False, recursive=False)
+
+
 def seed_generators(layer):
     """The `SeedGenerator`s of `layer` and of the layers it holds."""
     found = []

@@ -101,14 +101,6 @@ class Plan:
     def empty(self):
         return not self.blocks and not self.graphs
 
-    def describe(self):
-        parts = []
-        if self.blocks:
-            parts.append(f"{len(self.blocks)} blocks")
-        for functional, segments in self.graphs:
-            parts.append(f"{len(segments)} segments of {functional.name!r}")
-        return ", ".join(parts) or "nothing"
-
 
 class Segment:
     """Consecutive calls of a functional graph, recomputed as one unit."""
@@ -126,17 +118,9 @@ def _is_layer(operation):
     return isinstance(operation, keras.layers.Layer)
 
 
-def _holds_layers(layer):
-    return bool(layer._flatten_layers(include_self=False, recursive=False))
-
-
 def _is_block(layer):
     """A layer that holds layers and has weights (a preprocessor has none)."""
-    return _holds_layers(layer) and bool(layer.weights)
-
-
-def _children(layer):
-    return layer._flatten_layers(include_self=False, recursive=False)
+    return bool(compat.direct_layers(layer)) and bool(layer.weights)
 
 
 def plan(model, spec):
@@ -144,7 +128,8 @@ def plan(model, spec):
 
     `True`: each block (a layer that holds layers and has weights) is
     recomputed; a nested model that holds blocks is looked into instead; a
-    functional graph (or `Sequential`) with no blocks is cut into segments.
+    functional graph (or `Sequential`) with no blocks, the model's or a
+    nested one's, is cut into segments.
 
     Raises:
         ValueError: for a layer name that is not in the model.
@@ -177,25 +162,23 @@ def plan(model, spec):
 
 
 def _plan_model(model, blocks, graphs):
-    children = _children(model)
-    found = False
+    """Adds `model`'s units to `blocks` and `graphs`; returns whether it
+    found any."""
+    children = [c for c in compat.direct_layers(model) if _is_block(c)]
     for child in children:
-        if not _is_block(child):
-            continue
-        found = True
-        if isinstance(child, keras.Model) and any(
-            _is_block(grandchild) for grandchild in _children(child)
-        ):
-            _plan_model(child, blocks, graphs)  # a backbone: its blocks
-        else:
+        if not (isinstance(child, keras.Model)
+                and _plan_model(child, blocks, graphs)):
             blocks.append(child)
-    if found:
-        return
+    if children:
+        return True
+    # No block: a graph of plain layers, cut into segments.
     functional = compat.graph_of(model)
     if functional is not None:
         segments = cut_graph(functional)
         if len(segments) > 1:
             graphs.append((functional, segments))
+            return True
+    return False
 
 
 def cut_graph(functional):

@@ -221,6 +221,12 @@ def test_blocks_of_a_nested_model_are_found():
     inputs = keras.Input((6, 6, 4))
     model = keras.Model(inputs, keras.layers.Dense(2)(backbone(inputs)))
     assert remat_lib.plan(model, True).blocks == backbone.layers[1:]
+    # A nested graph of plain layers is cut into segments, as a model's.
+    inputs = keras.Input((8, 8, 3))
+    nested = plain_graph()
+    model = keras.Model(inputs, keras.layers.Dense(2)(nested(inputs)))
+    plan = remat_lib.plan(model, True)
+    assert not plan.blocks and [g for g, _ in plan.graphs] == [nested]
 
 
 def test_recomputation_runs_in_the_backward_pass(float64):
