@@ -285,6 +285,38 @@ def test_saved_mid_window_and_resumed_with_remat(float64, tmp_path):
     _assert_same_training(plain, ours)
 
 
+@pytest.mark.slow
+def test_interrupted_and_resumed_with_backup_and_restore(float64, tmp_path):
+    # Interrupted three times mid-epoch and resumed from its backups each
+    # time, a run with `remat` ends as the uninterrupted one without it.
+    from helpers import Interrupt
+
+    data = _data((6, 6, 4), (2,), n=28)  # 7 batches of 4 an epoch
+
+    def run(remat, callbacks):
+        model = GAM.from_model(residual_net(), gradient_accumulation_steps=3,
+                               remat=remat)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        keras.utils.set_random_seed(7)
+        model.fit(*data, batch_size=4, epochs=3, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        return model
+
+    reference = run(False, [])
+    backup = str(tmp_path / "backup")
+    for epoch, batch in ((0, 4), (1, 5), (2, 2)):
+        with pytest.raises(RuntimeError, match="interrupted"):
+            run(True, [keras_accum.callbacks.BackupAndRestore(
+                backup, save_freq=2), Interrupt(epoch, batch)])
+    resumed = run(True, [keras_accum.callbacks.BackupAndRestore(
+        backup, save_freq=2)])
+    assert resumed.history.epoch == [2]  # resumed, not trained again
+    _assert_same_training(reference, resumed)
+    assert reference.history.history["loss"][-1] == pytest.approx(
+        resumed.history.history["loss"][-1], rel=1e-12
+    )
+
+
 def test_keras_hub_gpt2_task(float64):
     from helpers import import_keras_hub
 
