@@ -347,8 +347,7 @@ class MomentsPatch:
 
 # Recomputation (keras_accum/remat.py): what a layer's `__call__` sets up
 # around `call()`, the graph of a functional model, and seed generators.
-from keras.src.backend.common.masking import set_keras_mask  # noqa: E402
-from keras.src.backend.common.variables import AutocastScope  # noqa: E402
+from keras.src.backend.common.masking import set_keras_mask  # noqa: E402,F401
 
 if not hasattr(Functional, "_run_through_graph"):  # pragma: no cover
     raise _missing("`Functional._run_through_graph`")

@@ -17,7 +17,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_accum
 from keras_accum import remat as remat_lib
