@@ -135,6 +135,7 @@ class AutoMicroBatch:
         # kind -> (its variables, the traced copy): kept while no new
         # function has run (a function's first call may make variables).
         self._snapshots = {}
+        self._takes = {}  # kind -> the batch and the copy in one call
         self._said = {}  # (kind, signature) -> the size last reported
 
     def function(self, kind, make_function):
@@ -146,7 +147,12 @@ class AutoMicroBatch:
             self.memory.check(self.model.jit_compile)
 
         def run(data):  # an iterator (to predict: a list of batches)
-            if kind != "predict":  # taken out before training, to retrain
+            saved = None
+            if kind != "predict" and self._takes_with_snapshot(kind, data):
+                # The batch and the state to put back in one traced call.
+                batch, saved = self._take(kind, data)
+                data = [batch]
+            elif kind != "predict":  # taken out before training, to retrain
                 iterator, data = data, []
                 get = getattr(iterator, "get_next", None) or (
                     lambda: next(iterator)
@@ -158,7 +164,10 @@ class AutoMicroBatch:
                         if not data:
                             raise
                         break
-            outputs = [self._run(kind, batch, make_function) for batch in data]
+            outputs = [
+                self._run(kind, batch, make_function, saved if i == 0 else None)
+                for i, batch in enumerate(data)
+            ]
             if kind != "predict" or len(outputs) == 1:
                 return outputs[-1]
             return keras.tree.map_structure(
@@ -202,6 +211,38 @@ class AutoMicroBatch:
             )
         variables, snapshot = self._snapshots[kind]
         return variables, snapshot()
+
+    def _takes_with_snapshot(self, kind, iterator):
+        """Whether a train batch and its snapshot come in one traced call:
+        one batch per call from a `tf.data` iterator, on one replica."""
+        model = self.model
+        return (
+            kind == "train"
+            and model.steps_per_execution == 1
+            and isinstance(iterator, tf.data.Iterator)
+            and model.distribute_strategy.num_replicas_in_sync == 1
+        )
+
+    def _take(self, kind, iterator):
+        """The iterator's next batch and `_saved(kind)`, in one call (the
+        eager `get_next()` and a second call cost as much again)."""
+        if kind not in self._snapshots:
+            self._saved(kind)
+        variables, snapshot = self._snapshots[kind]
+        take = self._takes.get(kind)
+        if take is None:
+
+            @tf.function(autograph=False)
+            def take(iterator):
+                return iterator.get_next(), snapshot()
+
+            self._takes[kind] = take
+        batch, values = take(iterator)
+        return batch, (variables, values)
+
+    def _forget_snapshot(self, kind):
+        self._snapshots.pop(kind, None)
+        self._takes.pop(kind, None)
 
     def _snapshot_function(self, kind, variables):
         buffers = {
@@ -291,7 +332,7 @@ class AutoMicroBatch:
         scaled = size * elements[0] / elements[1]
         return max(1, min(rows, 2 ** int(math.log2(max(scaled, 1)))))
 
-    def _run(self, kind, data, make_function):
+    def _run(self, kind, data, make_function, saved=None):
         tensors = [
             components(t)[0] for t in keras.tree.flatten(data) if t is not None
         ]
@@ -304,12 +345,13 @@ class AutoMicroBatch:
         state = sizes[signature]
         size = min(state[0], rows)
         while True:
-            saved = self._saved(kind)
+            if saved is None:
+                saved = self._saved(kind)
             self.memory.reset_peak()
             if (kind, size) not in self._functions:
                 self._functions[kind, size] = make_function(size)
                 # Its first call may make variables: snapshot them next time.
-                self._snapshots.pop(kind, None)
+                self._forget_snapshot(kind)
             try:
                 with self.memory.raising_at_limit():
                     result = self._functions[kind, size](
@@ -322,6 +364,7 @@ class AutoMicroBatch:
                 if not (parse or isinstance(error, _OOM[0])):
                     raise
                 self._roll_back(saved, kind)
+                saved = None
                 # The failed size's function holds memory (constants).
                 self._functions.pop((kind, size), None)
                 gc.collect()
@@ -349,7 +392,7 @@ class AutoMicroBatch:
         self._functions = {
             key: f for key, f in self._functions.items() if key[0] != "train"
         }
-        self._snapshots.pop("train", None)
+        self._forget_snapshot("train")
         if self.verbose:
             print(
                 "Out of memory with micro-batches of 1 row of the batch of "
