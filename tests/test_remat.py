@@ -161,11 +161,15 @@ def test_residual_blocks_train_as_without_remat(float64, case):
     assert _moved(residual_net(), ours) > 1e-3  # it trained
 
 
-def test_mixed_float16_within_float_tolerance():
+@pytest.mark.parametrize("jit", [False, True])
+def test_mixed_float16_within_float_tolerance(jit):
     keras.config.set_dtype_policy("mixed_float16")
     data = tuple(a.astype("float32") for a in _data((6, 6, 4), (2,)))
-    plain, _ = _train(residual_net, False, data, gradient_accumulation_steps=3)
-    ours, _ = _train(residual_net, True, data, gradient_accumulation_steps=3)
+    compile_kwargs = dict(jit_compile=jit)
+    plain, _ = _train(residual_net, False, data, None, compile_kwargs,
+                      gradient_accumulation_steps=3)
+    ours, _ = _train(residual_net, True, data, None, compile_kwargs,
+                     gradient_accumulation_steps=3)
     assert isinstance(ours.optimizer, keras.optimizers.LossScaleOptimizer)
     _assert_same_training(plain, ours, tolerance=1e-5)
 
