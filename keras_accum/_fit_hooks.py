@@ -6,7 +6,14 @@ import tensorflow as tf
 
 from keras_accum import _keras_compat as compat
 from keras_accum._auto_micro_batch import out_of_memory_hint
-from keras_accum.callbacks import BackupAndRestore
+
+
+def is_backup(callback):
+    """Whether `callback` is `keras_accum.callbacks.BackupAndRestore` (or
+    one like it): a backup that needs the train step to record its input
+    and runs before the other callbacks. The callback says so itself (the
+    core does not import the callbacks)."""
+    return getattr(type(callback), "keras_accum_backup", False) is True
 
 
 class EpochEnd:
@@ -69,7 +76,7 @@ def with_window_callbacks(model, callbacks, x=None, fit_kwargs=None):
         return callbacks
     # Our `BackupAndRestore` first, the others in their order.
     callbacks = sorted(
-        callbacks or [], key=lambda c: not isinstance(c, BackupAndRestore)
+        callbacks or [], key=lambda c: not is_backup(c)
     )
     if fit_kwargs.get("verbose", "auto") != 0 and not any(
         isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks

@@ -6,8 +6,8 @@ import warnings
 import numpy as np
 
 from keras_accum._tf_utils import per_replica_values
-from keras_accum.callbacks._workers import gather
-from keras_accum.callbacks._workers import workers
+from keras_accum._workers import gather
+from keras_accum._workers import workers
 from keras_accum.batch_norm import combine_moments
 
 # Keys: `keras_accum:<part>:<name>:<replica>`, beside Keras' numbered ones.

@@ -9,9 +9,12 @@ in-step micro-batches and Dropout. (Each run is a process of its own, forked
 from one that imported TensorFlow once, before any TensorFlow op ran:
 `resume/restarts.py`, in the background from the first test.) Keras' own
 `BackupAndRestore` restarts the interrupted epoch from its first batch
-instead. Damaged backups (a truncated weights file, a garbage pointer or
+instead. Damaged backups (a truncated weights file, a garbage manifest or
 position) fall back to the previous backup, with a warning that names the
-file.
+file; a backup that was not completed is passed over. `backup_dir` may be
+any path of TensorFlow's file system: a `file://` URL across a kill, a
+`ram://` path in one process. A restart with no epoch left to train
+returns the last epoch's logs.
 """
 
 import importlib.util
@@ -21,6 +24,7 @@ import re
 import shutil
 import signal
 import sys
+import warnings
 
 import h5py
 import keras
@@ -175,6 +179,18 @@ KILLED_RUNS = {
         ["1:5"],
         [[0, 0, 0], [1, 2, 3]],
     ),
+    # `backup_dir` a `file://` URL (TensorFlow's file system), killed
+    # mid-window, in validation, and after the last epoch's backup: the
+    # last restart has nothing left to train and returns the last epoch's
+    # logs.
+    "file:// URL, killed mid-window and after the last backup": (
+        ["--file-url", "--validation", "--metrics", "mae", "--save-freq",
+         "2", "--dropout"],
+        ["0:3", "v1:2", "2:7", "e2"],
+        # Backups after batch 2 of epoch 0, 6 of epochs 1 and 2 (2 pending
+        # each), the end of epoch 2 (the last: nothing left to train).
+        [[0, 0, 0], [0, 0, 2], [1, 3, 2], [2, 5, 2], [3, 6, 0]],
+    ),
 }
 
 
@@ -205,6 +221,10 @@ def test_killed_run_resumes_exactly(tmp_path, tmp_path_factory, case):
     diff = relative_difference(_weights(reference), _weights(out))
     record(f"resumed after SIGKILL ({case})", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
+    diff = relative_difference(*(
+        _weights(p.with_suffix(".optimizer.npz")) for p in (reference, out)
+    ))
+    assert diff <= 1e-12, f"resumed optimizer differs: {diff:.3g}"
     # The resumed epoch logs what the uninterrupted one logged.
     logs = [json.loads(p.with_suffix(".json").read_text())
             for p in (reference, out)]
@@ -214,12 +234,16 @@ def test_killed_run_resumes_exactly(tmp_path, tmp_path_factory, case):
 
 
 
-@pytest.mark.parametrize("data", ["known", "unknown"])
-@pytest.mark.parametrize("steps_per_execution", [1, 2])
+@pytest.mark.parametrize(
+    "data, steps_per_execution, where",
+    [("known", 1, "local"), ("known", 2, "local"), ("unknown", 1, "local"),
+     ("unknown", 2, "local"), ("known", 1, "ram"), ("unknown", 2, "ram")],
+)
 def test_interrupted_fit_resumes_exactly(
-    tmp_path, data, steps_per_execution, float64
+    tmp_path, data, steps_per_execution, where, float64
 ):
-    # In one process: `fit()` raises, a new model and callback resume.
+    # In one process: `fit()` raises, a new model and callback resume
+    # (`where="ram"`: `backup_dir` on TensorFlow's `ram://` file system).
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(7 * 8, 6)), rng.normal(size=(7 * 8, 1))
 
@@ -245,33 +269,61 @@ def test_interrupted_fit_resumes_exactly(
 
     reference = run([])
     backup = str(tmp_path / "backup")
-    # 7 batches an epoch; the last is the end of the epoch (with calls of
-    # 2 batches, Keras reports it as batch 8).
+    if where == "ram":
+        backup = f"ram://{tmp_path.name}/backup"
+    # 7 batches an epoch, windows of 4 and 3 (2 updates); backups every 2
+    # batches and at epoch ends. Interrupted after batch 4 of epoch 0
+    # (backed up there), 7 of epoch 1 (after 6), 2 of epoch 2 (there):
+    # each run starts at the previous one's last backup, `[epoch, updates,
+    # pending micro-batches]`. With calls of 2 batches, Keras reports the
+    # last of 7 as batch 8: on input of unknown length, 2 more batches
+    # (the epoch's length is not known), a backup after batch 7 of epoch 1.
+    starts = []
     for epoch, batch in ((0, 4), (1, 7), (2, 2)):
+        start = _AtStart()
         with pytest.raises(RuntimeError, match="interrupted"):
-            run([BackupAndRestore(backup, save_freq=2), Interrupt(epoch, batch)])
-    resumed = run([BackupAndRestore(backup, save_freq=2)])
+            run([BackupAndRestore(backup, save_freq=2), start,
+                 Interrupt(epoch, batch)])
+        starts.append([start.epoch, *start.state])
+    start = _AtStart()
+    resumed = run([BackupAndRestore(backup, save_freq=2), start])
+    starts.append([start.epoch, *start.state])
+    nominal = data == "unknown" and steps_per_execution == 2
+    assert starts == [
+        [0, 0, 0], [0, 1, 0], [1, 3, 3] if nominal else [1, 3, 2], [2, 4, 2]
+    ]
     assert resumed.history.epoch == [2]
     diff = relative_difference(reference.get_weights(), resumed.get_weights())
-    record(f"resumed after an exception ({data} length)", diff)
+    record(f"resumed after an exception ({data} length, {where})", diff)
     assert diff <= 1e-12
+    diff = relative_difference(
+        [np.asarray(v) for v in reference.optimizer.variables],
+        [np.asarray(v) for v in resumed.optimizer.variables],
+    )
+    assert diff <= 1e-12, f"resumed optimizer differs: {diff:.3g}"
     last = [{k: v[-1] for k, v in m.history.history.items()}
             for m in (reference, resumed)]
     assert last[1] == last[0]
-    assert int(resumed.optimizer.iterations) == int(
-        reference.optimizer.iterations
-    )
+    assert not tf.io.gfile.exists(backup)
 
 
 class _AtStart(keras.callbacks.Callback):
     """Records the updates and pending micro-batches that `fit()` starts
-    from (after `BackupAndRestore` restored them)."""
+    from (after `BackupAndRestore` restored them), and its first epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = None
 
     def on_train_begin(self, logs=None):
         self.state = (
             int(self.model.optimizer.iterations),
             int(self.model.micro_step),
         )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.epoch is None:
+            self.epoch = epoch
 
 
 def _fit(callbacks):
@@ -300,8 +352,8 @@ def backups(tmp_path_factory):
         keras.config.set_dtype_policy(policy)
         keras.backend.clear_session()
     names = sorted(p.name for p in folder.iterdir())
-    assert [n.split("-")[:3] for n in names] == [
-        ["backup", "1", "2"], ["backup", "1", "4"], ["latest"],
+    assert [n.split("-")[:4] for n in names] == [
+        ["backup", "1", "2", "w0"], ["backup", "1", "4", "w0"],
     ], names
     return reference, folder
 
@@ -309,7 +361,7 @@ def backups(tmp_path_factory):
 def _copy(backups, tmp_path):
     folder = tmp_path / "backup"
     shutil.copytree(backups[1], folder)
-    newest = folder / (folder / "latest").read_text()
+    newest = next(p for p in folder.glob("backup-1-4-*"))
     previous = next(p for p in folder.glob("backup-1-2-*"))
     return folder, newest, previous
 
@@ -319,56 +371,82 @@ def _truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
-def _drop_optimizer(path):
+def _edit_manifest(backup, edit):
+    manifest = json.loads((backup / "manifest.json").read_text())
+    edit(manifest)
+    (backup / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _set_batches(backup, batches):
+    _edit_manifest(
+        backup, lambda m: m["position"].update(batches=batches)
+    )
+
+
+def _drop_optimizer(backup):
+    path = backup / "model.weights.h5"
     with h5py.File(path, "a") as weights:
         del weights["optimizer/vars/0"]
         for layer in weights["layers"].values():
             for value in layer["vars"].values():
                 value[...] = 100.0
+    # A file that its manifest describes: only loading finds the problem.
+    size = path.stat().st_size
+    _edit_manifest(backup, lambda m: m["files"].update({path.name: size}))
 
 
-def _set_batches(path, batches):
-    position = json.loads(path.read_text())
-    path.write_text(json.dumps(dict(position, batches=batches)))
-
-
-def _delete_pointer(folder, newest):
-    (folder / "latest").unlink()
-    # And a newer folder that a process killed mid-backup left behind.
-    half_written = folder / "backup-1-5-1-99999999999999999999"
+def _half_written(folder, newest):
+    # A newer folder that a process killed mid-backup left behind: its
+    # weights written (cut short), no manifest.
+    half_written = folder / "backup-1-5-w0-99999999999999999999"
     half_written.mkdir()
     shutil.copy(newest / "model.weights.h5", half_written)
     _truncate(half_written / "model.weights.h5")
 
 
-# damage: (what it does to the copied folder, the warning it gives, the
-# backup restored: after batch 2 of epoch 1 (2 updates, 2 micro-batches
-# pending) or 4 (3 updates))
+def _previous_layout(folder, newest):
+    # The layout of earlier versions: `position.json` written last, a
+    # pointer file `latest`, folders named with a process id.
+    for backup in list(folder.iterdir()):
+        manifest = json.loads((backup / "manifest.json").read_text())
+        (backup / "manifest.json").unlink()
+        (backup / "position.json").write_text(
+            json.dumps(manifest["position"])
+        )
+        old = backup.name.replace("-w0-", "-123-")
+        backup.rename(folder / old)
+    (folder / "latest").write_text(newest.name.replace("-w0-", "-123-"))
+
+
+# damage: (what it does to the copied folder, the warning it gives (`None`:
+# none), the backup restored: after batch 2 of epoch 1 (2 updates, 2
+# micro-batches pending) or 4 (3 updates))
 DAMAGES = {
     "truncated weights": (
         lambda folder, newest: _truncate(newest / "model.weights.h5"),
         r"Could not restore the backup in '[^']*backup-1-4-[^']*"
-        r"model\.weights\.h5' \(OSError: .*\): restoring the previous "
+        r"manifest\.json' \(ValueError: '[^']*model\.weights\.h5' holds "
+        r"\d+ bytes, its manifest lists \d+\): restoring the previous "
         r"backup '[^']*backup-1-2-[^']*' instead\.",
         (2, 2),
     ),
-    "garbage position": (
-        lambda folder, newest: (newest / "position.json").write_bytes(
-            b'{"epoch": 1, "bat'
+    "garbage manifest": (
+        lambda folder, newest: (newest / "manifest.json").write_bytes(
+            b'{"format": 2, "fil'
         ),
         r"Could not restore the backup in '[^']*backup-1-4-[^']*"
-        r"position\.json' \(JSONDecodeError: .*\): restoring the previous "
+        r"manifest\.json' \(JSONDecodeError: .*\): restoring the previous "
         r"backup '[^']*backup-1-2-[^']*' instead\.",
         (2, 2),
     ),
     "batches=-5": (
-        lambda folder, newest: _set_batches(newest / "position.json", -5),
-        r"position\.json' \(ValueError: `batches` must be an integer >= 0\. "
+        lambda folder, newest: _set_batches(newest, -5),
+        r"manifest\.json' \(ValueError: `batches` must be an integer >= 0\. "
         r"Received: batches=-5\): restoring the previous backup",
         (2, 2),
     ),
     "batches=true": (
-        lambda folder, newest: _set_batches(newest / "position.json", True),
+        lambda folder, newest: _set_batches(newest, True),
         r"Received: batches=True\): restoring the previous backup",
         (2, 2),
     ),
@@ -376,30 +454,17 @@ DAMAGES = {
     # it skips the optimizer's variables: the previous backup is loaded
     # over them.
     "weights without the optimizer's": (
-        lambda folder, newest: _drop_optimizer(newest / "model.weights.h5"),
+        lambda folder, newest: _drop_optimizer(newest),
         r"Could not restore the backup in '[^']*backup-1-4-[^']*"
         r"model\.weights\.h5' \(ValueError: Skipping variable loading for "
         r"optimizer .*\): restoring the previous backup "
         r"'[^']*backup-1-2-[^']*' instead\.",
         (2, 2),
     ),
-    # The newest backup is intact: it is the one restored.
-    "garbage pointer": (
-        lambda folder, newest: (folder / "latest").write_bytes(
-            b"\xff\xfe\x00\x9c garbage"
-        ),
-        r"Could not read the pointer file '[^']*latest' "
-        r"\(UnicodeDecodeError: .*\): restoring the newest complete backup "
-        r"found, '[^']*backup-1-4-[^']*' instead\.",
-        (3, 0),
-    ),
-    "deleted pointer": (
-        _delete_pointer,
-        r"The pointer file '[^']*latest' is missing although the folder "
-        r"holds backups: restoring the newest complete backup found, "
-        r"'[^']*backup-1-4-[^']*' instead\.",
-        (3, 0),
-    ),
+    # A backup that was not completed is passed over, silently: the
+    # newest complete one is restored.
+    "half-written newer backup": (_half_written, None, (3, 0)),
+    "previous layout": (_previous_layout, None, (3, 0)),
 }
 
 
@@ -409,11 +474,19 @@ def test_damaged_backup_falls_back_exactly(backups, tmp_path, damage, float64):
     make_damage, warning, restored = DAMAGES[damage]
     make_damage(folder, newest)
     start = _AtStart()
-    with pytest.warns(UserWarning, match=warning):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         resumed = _fit([
             BackupAndRestore(folder, save_freq=2, double_checkpoint=True),
             start,
         ])
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, UserWarning)
+                and "backup" in str(w.message)]
+    if warning is None:
+        assert messages == []
+    else:
+        assert any(re.search(warning, m) for m in messages), messages
     assert start.state == restored
     assert resumed.history.epoch == [1, 2]
     diff = relative_difference(backups[0], resumed.get_weights())
@@ -430,39 +503,31 @@ def test_no_intact_backup_is_an_error(backups, tmp_path, float64):
     with pytest.raises(
         ValueError,
         match=r"(?s)No backup in '[^']*backup' can be restored\. Could not "
-        r"restore the backup in '[^']*backup-1-4-[^']*model\.weights\.h5' "
-        r"\(OSError: .*\)\. To start training over, delete the folder "
+        r"restore the backup in '[^']*backup-1-4-[^']*manifest\.json' "
+        r"\(ValueError: .*\)\. To start training over, delete the folder "
         r"'[^']*backup' \(`double_checkpoint=True` keeps the previous "
         r"backup too, to fall back to\)\.",
     ):
         _fit([BackupAndRestore(folder, save_freq=2)])
     # Both backups damaged: both files named; nothing is deleted.
     folder, newest, previous = _copy(backups, tmp_path / "both")
-    _truncate(newest / "model.weights.h5")
-    _set_batches(previous / "position.json", "2")
+    _drop_optimizer(newest)
+    _set_batches(previous, "2")
     with pytest.raises(
         ValueError,
         match=r"(?s)can be restored\. Could not restore the backup in "
-        r"'[^']*backup-1-4-[^']*model\.weights\.h5' \(OSError: .*\)\. Could "
-        r"not restore the backup in '[^']*backup-1-2-[^']*position\.json' "
-        r"\(ValueError: `batches` must be an integer >= 0\. Received: "
-        r"batches='2'\)\. To start training over, delete the folder "
-        r"'[^']*backup'\.$",
+        r"'[^']*backup-1-2-[^']*manifest\.json' \(ValueError: `batches` "
+        r"must be an integer >= 0\. Received: batches='2'\)\. Could not "
+        r"restore the backup in '[^']*backup-1-4-[^']*model\.weights\.h5' "
+        r"\(ValueError: Skipping variable loading .*\)\. To start training "
+        r"over, delete the folder '[^']*backup'\.$",
     ):
         _fit([BackupAndRestore(folder, save_freq=2, double_checkpoint=True)])
     assert newest.exists() and previous.exists()
-    # Only a half-written folder: an empty pointer is an error; without a
-    # pointer, the first backup was cut short and training starts over.
+    # Only a half-written folder (no manifest): the first backup was cut
+    # short, and training starts over.
     shutil.rmtree(previous)
-    (newest / "position.json").unlink()
-    (folder / "latest").write_text("")
-    with pytest.raises(
-        ValueError,
-        match=r"can be restored\. The pointer file '[^']*latest' is empty\. "
-        r"To start training over",
-    ):
-        _fit([BackupAndRestore(folder, save_freq=2)])
-    (folder / "latest").unlink()
+    (newest / "manifest.json").unlink()
     start = _AtStart()
     with pytest.warns(
         UserWarning,
@@ -508,7 +573,9 @@ def test_save_freq_numpy_integer_and_false(backups, tmp_path, float64):
             Interrupt(0, 5),
         ])
     backup = [p.name for p in folder.glob("backup-*")]
-    assert [name.split("-")[:3] for name in backup] == [["backup", "0", "3"]]
+    assert [name.split("-")[:4] for name in backup] == [
+        ["backup", "0", "3", "w0"]
+    ]
     # `save_freq=False`: restores that backup, writes none.
     start = _AtStart()
     resumed = _fit([
@@ -565,7 +632,8 @@ def test_unservable_model_and_folder_are_refused_at_train_begin(tmp_path):
         ValueError,
         match=r"`backup_dir` must be a folder that this process can write "
         rf"backups to; writing to '{re.escape(str(under_a_file))}' failed "
-        r"\((NotADirectoryError|FileExistsError): .*\)\. Received: "
+        r"\((NotADirectoryError|FileExistsError|FailedPreconditionError): "
+        r".*\)\. Received: "
         r"backup_dir=",
     ):
         model.fit(x, y, verbose=0, callbacks=[BackupAndRestore(under_a_file)])

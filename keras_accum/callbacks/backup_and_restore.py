@@ -1,28 +1,19 @@
-"""`BackupAndRestore`: resume a killed `fit()` exactly where it stopped."""
+"""`BackupAndRestore`: resume a killed `fit()` exactly where it stopped.
 
-import contextlib
-import json
+The callback holds Keras' hooks only: the folder's format is
+`keras_accum._backup_folder`, the workers' protocol `keras_accum._workers`.
+"""
+
 import numbers
 import os
-import re
-import shutil
-import tempfile
-import time
 import warnings
 
 import keras
 import numpy as np
 
+from keras_accum import _backup_folder as folders
 from keras_accum import _keras_compat as compat
-from keras_accum.callbacks import _workers
-
-_LATEST = "latest"
-_WEIGHTS = "model.weights.h5"
-_POSITION = "position.json"
-# `backup-{epoch}-{batches}-{pid}-{time_ns}`
-_FOLDER = re.compile(r"backup-(\d+)-(\d+)-(\d+)-(\d+)")
-# What a damaged backup file raises when read or loaded (h5py: `OSError`).
-_DAMAGE = (OSError, ValueError, KeyError, TypeError)
+from keras_accum import _workers
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -88,6 +79,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # The exit status of a process that backed up on SIGTERM.
     PREEMPTION_EXIT_CODE = 42
+    # What `GradientAccumulationModel.fit()` looks for (the core does not
+    # import the callbacks): a backup that records the input's position.
+    keras_accum_backup = True
 
     def __init__(
         self,
@@ -133,12 +127,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.strict = strict
         self.save_before_preemption = save_before_preemption
-        self._sigterm = _workers.Sigterm()
+        self._preemption = _workers.Preemption()
         self._worker, self._workers, self._strategy = 0, 1, None
         self._backed_up_at = None
         self._epoch = self._batches_in_epoch = self._resume_at = 0
-        self._since_backup = 0
+        self._since_backup = self._checks = 0
         self._previous = None  # the folder `double_checkpoint` keeps
+        self._final_logs = None  # a restored epoch end's logs
+        self._epochs_ended = 0
 
     def on_train_begin(self, logs=None):
         if not hasattr(self.model, "gradient_accumulator"):
@@ -148,44 +144,44 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`keras.callbacks.BackupAndRestore`). Received: model of "
                 f"type {type(self.model).__name__}"
             )
-        folder = self.backup_dir
+        root = self.backup_dir
         self._strategy = self.model.distribute_strategy
         self._worker, self._workers = _workers.workers(self._strategy)
-        writes = self.save_freq is not False or self.save_before_preemption
-        if writes and self._worker == 0:
+        if self.save_freq is not False or self.save_before_preemption:
+            # Every worker writes its own backups.
             try:
-                os.makedirs(folder, exist_ok=True)
-                with tempfile.TemporaryFile(dir=folder):
-                    pass
-            except OSError as error:
+                folders.check_writable(root, self._worker)
+            except folders.DAMAGE as error:
                 raise ValueError(
                     "`backup_dir` must be a folder that this process can "
-                    f"write backups to; writing to '{folder}' failed "
+                    f"write backups to; writing to '{root}' failed "
                     f"({type(error).__name__}: {error}). Received: "
-                    f"backup_dir={folder!r}"
+                    f"backup_dir={root!r}"
                 ) from error
-        elif os.path.exists(folder) and not os.path.isdir(folder):
+        elif folders.is_file(root):
             raise ValueError(
                 "`backup_dir` must be a folder, but it is a file. "
-                f"Received: backup_dir={folder!r}"
+                f"Received: backup_dir={root!r}"
             )
-        if self._workers > 1:
-            # The chief made the folder: now every worker may read it.
-            _workers.barrier(self._strategy)
-        self._previous = self._backed_up_at = None
+        self._previous = self._backed_up_at = self._final_logs = None
+        self._epochs_ended = self._checks = 0
         position = self._restore()
         self._epoch = position["epoch"] if position else 0
         self._resume_at = position["batches"] if position else 0
         self._since_backup = 0
-        steps = (self.params or {}).get("steps")
+        params = self.params or {}
+        steps = params.get("steps")
         if steps and self._resume_at > steps:
             raise ValueError(
-                f"The backup in '{folder}' was made after batch "
+                f"The backup in '{root}' was made after batch "
                 f"{self._resume_at} of epoch {self._epoch}, but an epoch of "
                 f"this `fit()` has {steps} batches: the input is not the "
                 "one that was backed up."
             )
         if position:
+            if not self._resume_at and position.get("logs") is not None:
+                # Returned in History if no epoch is left to train.
+                self._final_logs = (self._epoch - 1, position["logs"])
             # `fit()` reads this right after `on_train_begin`.
             compat.set_initial_epoch(self.model, self._epoch)
             self.model.input_position.resume(
@@ -197,7 +193,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 strict=self.strict,
             )
         if self.save_before_preemption:
-            self._sigterm.install()
+            self._preemption.install(self._strategy)
 
     def _fingerprint(self, position):
         """The fingerprint of the last batch that this worker trained on
@@ -226,41 +222,61 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self._every_batches and self._since_backup >= self.save_freq:
                 self._backup(self._epoch, self._batches_in_epoch)
             # Not while skipping the batches before a restored backup: the
-            # same decision on every worker.
+            # same check points on every worker.
             self._exit_if_preempted(self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         self._resume_at = 0
+        self._epochs_ended += 1
+        logs = _numbers(logs)
         if self.save_freq is not False:
-            self._backup(epoch + 1, 0)
-        self._exit_if_preempted(epoch + 1, 0)
+            self._backup(epoch + 1, 0, logs)
+        self._exit_if_preempted(epoch + 1, 0, logs)
 
     def on_train_end(self, logs=None):
         self.release_signal_handler()
         compat.set_initial_epoch(self.model, None)
         self.model.input_position.reset()
+        history = getattr(self.model, "history", None)
         if (
-            self.delete_checkpoint
-            and self._worker == 0
-            and os.path.isdir(self.backup_dir)
+            self._final_logs is not None
+            and not self._epochs_ended
+            and isinstance(history, keras.callbacks.History)
+            and not getattr(history, "epoch", None)
         ):
-            shutil.rmtree(self.backup_dir)
+            # Nothing was left to train: the last epoch's logs, as the
+            # backed-up run logged them.
+            epoch, last = self._final_logs
+            history.epoch = [epoch]
+            for key, value in last.items():
+                history.history.setdefault(key, []).append(value)
+        if self.delete_checkpoint:
+            if self._workers > 1:
+                # Each worker its own backups, then the folder, once all
+                # are done (a folder may be shared).
+                folders.prune(self.backup_dir, self._worker, keep=())
+                _workers.barrier(self._strategy)
+                if self._worker == 0 or not folders.listing(self.backup_dir):
+                    folders.remove(self.backup_dir)
+            else:
+                folders.remove(self.backup_dir)
 
     def release_signal_handler(self):
         """Puts back the SIGTERM handler that `fit()` found (with
         `save_before_preemption=True`; also when `fit()` raised)."""
-        self._sigterm.uninstall()
+        self._preemption.uninstall()
 
-    def _exit_if_preempted(self, epoch, batches):
-        """Backs up at `(epoch, batches)` and exits if any worker was sent
-        SIGTERM (`save_before_preemption`)."""
-        if not self.save_before_preemption or not _workers.any_worker(
-            self._strategy, self._sigterm.seen
-        ):
+    def _exit_if_preempted(self, epoch, batches, logs=None):
+        """Backs up at `(epoch, batches)` and exits if the workers stop at
+        this check point for SIGTERM (`save_before_preemption`)."""
+        if not self.save_before_preemption:
+            return
+        self._checks += 1
+        if not self._preemption.due(self._checks):
             return
         if self._backed_up_at != (epoch, batches):
-            self._backup(epoch, batches)
-        self._sigterm.uninstall()
+            self._backup(epoch, batches, logs)
+        self._preemption.uninstall()
         raise SystemExit(self.PREEMPTION_EXIT_CODE)
 
     def _seed_variables(self):
@@ -268,19 +284,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         weights = {id(w) for w in self.model.weights}
         return [v for v in self.model.variables if id(v) not in weights]
 
-    def _backup(self, epoch, batches):
-        """Writes a complete backup, then points `latest` at it."""
+    def _backup(self, epoch, batches, logs=None):
+        """Writes a complete backup of this worker, then deletes its older
+        ones (once every worker holds the new one)."""
         self._since_backup = 0
         self._backed_up_at = (epoch, batches)
-        chief = self._worker == 0
-        root = self.backup_dir if chief else tempfile.mkdtemp()
-        name = f"backup-{epoch}-{batches}-{os.getpid()}-{time.time_ns()}"
-        folder = os.path.join(root, name)
-        os.makedirs(folder)
-        weights = os.path.join(folder, _WEIGHTS)
-        self.model.save_weights(weights)
-        with open(weights, "rb") as f:
-            os.fsync(f.fileno())
         position = {"epoch": epoch, "batches": batches}
         if batches:
             # The epoch's loss and metrics so far (an epoch starts anew),
@@ -297,6 +305,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 position["worker_fingerprints"] = rows[::local].tolist()
             elif fingerprint is not None:
                 position["fingerprint"] = fingerprint
+        elif logs:
+            position["logs"] = logs
         position["seed_generators"] = [
             np.asarray(v.numpy()).tolist() for v in self._seed_variables()
         ]
@@ -304,107 +314,100 @@ class BackupAndRestore(keras.callbacks.Callback):
         if generator is not None:
             state = np.asarray(generator.state.numpy()).tolist()
             position["global_seed_generator"] = state
-        if not chief:
-            # Its part of the collective reads done, nothing to keep.
-            shutil.rmtree(root, ignore_errors=True)
-            _workers.barrier(self._strategy)
-            return
-        # Written last: a folder with a `position.json` is complete.
-        _write_atomically(os.path.join(folder, _POSITION), json.dumps(position))
-        _write_atomically(os.path.join(root, _LATEST), name)
-        keep = {name, self._previous if self.double_checkpoint else None}
-        self._previous = name
-        # Earlier backups, and any a killed process left half-written.
-        for entry in os.listdir(root):
-            if _FOLDER.fullmatch(entry) and entry not in keep:
-                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        # `save_weights` gathers the pending window from every worker.
+        backup = folders.write(
+            self.backup_dir, epoch, batches, self._worker,
+            self.model.save_weights, position,
+        )
         if self._workers > 1:
-            # Nobody goes on (and may be stopped) before the backup is whole.
+            # No worker deletes a backup before all hold the new one.
             _workers.barrier(self._strategy)
+        keep = {backup.name, self._previous if self.double_checkpoint else None}
+        self._previous = backup.name
+        folders.prune(self.backup_dir, self._worker, keep)
 
     def _restore(self):
-        """Loads the newest intact backup; returns its position."""
+        """Loads the newest backup that every worker holds intact; returns
+        its position (`None` if there is none: training starts over)."""
         root = self.backup_dir
-        if not os.path.isdir(root):
-            return None
-        folders = [
-            entry
-            for entry in os.listdir(root)
-            if _FOLDER.fullmatch(entry)
-            and os.path.isdir(os.path.join(root, entry))
-        ]
-        folders.sort(key=_order, reverse=True)
-        complete = [
-            entry
-            for entry in folders
-            if os.path.exists(os.path.join(root, entry, _POSITION))
-        ]
-        path = os.path.join(root, _LATEST)
-        pointed, problems = None, []
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            if not text.strip():
-                problems.append(f"The pointer file '{path}' is empty")
-            elif text.strip() not in folders:
-                problems.append(
-                    f"The pointer file '{path}' names no backup folder (it "
-                    f"reads {text[:80]!r})"
-                )
-            else:
-                pointed = text.strip()
-        except FileNotFoundError:
-            if not complete:
-                if folders:
-                    warnings.warn(
-                        f"'{root}' holds only backups that were not "
-                        "completed (a process killed while writing its "
-                        "first one): training starts from the beginning.",
-                        stacklevel=3,
-                    )
-                return None
-            problems.append(
-                f"The pointer file '{path}' is missing although the folder "
-                "holds backups"
-            )
-        except _DAMAGE as error:
-            problems.append(
-                f"Could not read the pointer file '{path}' "
-                f"({type(error).__name__}: {error})"
-            )
-        # The backup that `latest` names first, then the others newest first.
-        candidates = [pointed] if pointed else []
-        error = None
-        for entry in candidates + [e for e in complete if e != pointed]:
-            # `path`: the file that a failure of each step is reported for.
-            path = os.path.join(root, entry, _POSITION)
+        candidates, problems, partial = [], [], False
+        for backup in folders.listing(root):
             try:
-                position = _read_position(path)
-                path = os.path.join(root, entry, _WEIGHTS)
-                self._load_weights(path)
-                path = os.path.join(root, entry, _POSITION)
-                self._restore_seeds(position)
-            except _DAMAGE as damage:
-                problems.append(
-                    f"Could not restore the backup in '{path}' "
-                    f"({type(damage).__name__}: {damage})"
+                position = folders.read(backup)
+            except folders.DAMAGE as damage:
+                which = folders.MANIFEST if backup.worker is not None else (
+                    "position.json"
                 )
-                error = damage
+                problems.append((backup.order, (
+                    f"Could not restore the backup in "
+                    f"'{backup.file(which)}' ({type(damage).__name__}: "
+                    f"{damage})"
+                )))
                 continue
-            if problems:
-                if not pointed:
-                    which = "the newest complete backup found,"
-                elif _order(entry) < _order(pointed):
-                    which = "the previous backup"
-                else:
-                    which = "the complete backup"
+            if position is None:
+                partial = True
+            else:
+                # This worker's own first (in a folder that workers share).
+                candidates.append((backup, position))
+        candidates.sort(key=lambda c: c[0].worker != self._worker)
+        candidates.sort(key=lambda c: c[0].order[:2], reverse=True)
+        keys = list(dict.fromkeys(b.key for b, _ in candidates))
+        common, held = _workers.held_by_all(self._strategy, keys, root)
+        if not common and any(k for _, k in held):
+            # Several workers, and none that all hold: the same error on
+            # every worker (from the same gathered values).
+            raise ValueError(_no_common_backup(held))
+        error = None
+        for key in common:
+            ok = False
+            for backup, position in candidates:
+                if backup.key != key:
+                    continue
+                path = backup.file(folders.WEIGHTS)
+                try:
+                    with folders.local_copy(path) as local:
+                        self._load_weights(local)
+                    self._restore_seeds(position)
+                except folders.DAMAGE as damage:
+                    problems.append((backup.order, (
+                        f"Could not restore the backup in '{path}' "
+                        f"({type(damage).__name__}: {damage})"
+                    )))
+                    error = damage
+                    continue
+                ok = True
+                break
+            if self._workers > 1 and _workers.any_worker(
+                self._strategy, not ok
+            ):
+                if ok:
+                    problems.append((backup.order, (
+                        "Another worker could not restore its backup "
+                        f"after batch {key[1]} of epoch {key[0]}"
+                    )))
+                continue
+            if not ok:
+                continue
+            newer = [text for order, text in problems
+                     if order[:2] >= backup.order[:2]]
+            if newer:
                 warnings.warn(
-                    f"{'; '.join(problems)}: restoring {which} "
-                    f"'{os.path.join(root, entry)}' instead.",
+                    f"{'; '.join(newer)}: restoring the previous backup "
+                    f"'{backup.path}' instead.",
                     stacklevel=3,
                 )
-            self._previous = entry
+            if backup.worker == self._worker:
+                self._previous = backup.name
             return position
+        if not problems and not common:
+            if partial:
+                warnings.warn(
+                    f"'{root}' holds only backups that were not "
+                    "completed (a process killed while writing its "
+                    "first one): training starts from the beginning.",
+                    stacklevel=3,
+                )
+            return None
         hint = (
             ""
             if self.double_checkpoint
@@ -413,8 +416,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         raise ValueError(
             f"No backup in '{root}' can be restored. "
-            f"{'. '.join(problems)}. To start training over, delete the "
-            f"folder '{root}'{hint}."
+            f"{'. '.join(t for _, t in problems)}. To start training over, "
+            f"delete the folder '{root}'{hint}."
         ) from error
 
     def _load_weights(self, path):
@@ -459,88 +462,35 @@ class BackupAndRestore(keras.callbacks.Callback):
             state_variable.assign(np.asarray(state, state_variable.dtype))
 
 
-def _order(name):
-    """A backup folder's (epoch, batches, time) from its name."""
-    epoch, batches, _, time_ns = map(int, _FOLDER.fullmatch(name).groups())
-    return epoch, batches, time_ns
-
-
-def _read_position(path):
-    """A backup's `position.json`, its fields checked."""
-    with open(path, encoding="utf-8") as f:
-        position = json.load(f)
-    if not isinstance(position, dict):
-        raise ValueError(
-            f"expected a JSON object. Received: {type(position).__name__}"
-        )
-
-    def ints(value):  # `true` and `false` load as `bool`
-        return isinstance(value, list) and all(type(v) is int for v in value)
-
-    for key in ("epoch", "batches"):
-        if key not in position:
-            raise ValueError(f"`{key}` is missing")
-        if type(position[key]) is not int or position[key] < 0:
-            raise ValueError(
-                f"`{key}` must be an integer >= 0. Received: "
-                f"{key}={position[key]!r}"
-            )
-    states = position.get("seed_generators", [])
-    if not isinstance(states, list) or not all(map(ints, states)):
-        raise ValueError(
-            "`seed_generators` must be a list of lists of integers. "
-            f"Received: seed_generators={states!r}"
-        )
-    metrics = position.get("metrics", [])
-    if not isinstance(metrics, list) or not all(map(_numbers, metrics)):
-        raise ValueError(
-            "`metrics` must be a list of numbers or nested lists of "
-            f"numbers. Received: metrics={metrics!r}"
-        )
-    fingerprint = position.get("fingerprint")
-    if fingerprint is not None and not _fingerprint(fingerprint):
-        raise ValueError(
-            "`fingerprint` must be a list of 3 numbers. Received: "
-            f"fingerprint={fingerprint!r}"
-        )
-    per_worker = position.get("worker_fingerprints")
-    if per_worker is not None and not (
-        isinstance(per_worker, list) and all(map(_fingerprint, per_worker))
-    ):
-        raise ValueError(
-            "`worker_fingerprints` must be a list of lists of 3 numbers. "
-            f"Received: worker_fingerprints={per_worker!r}"
-        )
-    state = position.get("global_seed_generator")
-    if state is not None and not ints(state):
-        raise ValueError(
-            "`global_seed_generator` must be a list of integers or null. "
-            f"Received: global_seed_generator={state!r}"
-        )
-    return position
-
-
-def _fingerprint(value):
-    return isinstance(value, list) and len(value) == 3 and _numbers(value)
-
-
-def _numbers(value):
-    """Whether `value` is a number or a nested list of numbers."""
-    if isinstance(value, list):
-        return all(map(_numbers, value))
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _write_atomically(path, text):
-    """Replaces `path` with a complete new file, then flushes its folder."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    with contextlib.suppress(OSError):  # Not every system syncs a folder.
-        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+def _numbers(logs):
+    """An epoch's logs that are numbers, as floats (for a backup)."""
+    result = {}
+    for key, value in (logs or {}).items():
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            value = np.asarray(value)
+        except (TypeError, ValueError):
+            continue
+        if value.shape == () and value.dtype.kind in "fiu":
+            result[key] = value.item()
+    return result
+
+
+def _no_common_backup(held):
+    """The error when the workers hold no backup in common."""
+    parts, source = [], None
+    for worker, (root, keys) in enumerate(held):
+        if keys:
+            newest = ", ".join(f"after batch {b} of epoch {e}"
+                               for e, b in keys[:3])
+            parts.append(f"worker {worker} holds backups in '{root}' "
+                         f"({newest})")
+            source = source or (worker, root)
+        else:
+            parts.append(f"worker {worker} holds none in '{root}'")
+    return (
+        "The workers hold no backup in common, so they cannot resume at the "
+        f"same position: {'; '.join(parts)}. Every worker needs the same "
+        f"backup: copy the newest backup folder of worker {source[0]}'s "
+        f"'{source[1]}' into the `backup_dir` of each worker that lacks it, "
+        "or, to start training over, delete the backups of all workers."
+    )

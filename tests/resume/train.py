@@ -8,7 +8,7 @@ BatchNormalization (micro-batches of 8, 3 epochs, Adam) with
 (`--data unknown`). `--kill EPOCH:BATCH` has the process kill itself with
 SIGKILL right after that train batch (Keras' count: batches the resumed run
 skips count too), `--kill vEPOCH:BATCH` right after that batch of the
-epoch's validation. `--log FILE` appends where the run starts, after the
+epoch's validation, `--kill eEPOCH` at that epoch's end, after its backup. `--log FILE` appends where the run starts, after the
 restore, as a JSON line `[epoch, updates, pending micro-batches]`. A run that
 ends writes the final weights to OUT_FILE (`.npz`) and its last epoch's logs
 to OUT_FILE with `.json` for `.npz`. `--metrics` compiles metrics (`mae`,
@@ -17,6 +17,11 @@ to OUT_FILE with `.json` for `.npz`. `--metrics` compiles metrics (`mae`,
 starts (`--save-before-preemption` has the callback back up and exit with
 its `PREEMPTION_EXIT_CODE`); `--multi-worker` trains under
 `MultiWorkerMirroredStrategy` (one of the workers that `TF_CONFIG` names).
+`--file-url` gives the callback BACKUP_DIR as a `file://` URL. `--trace
+FILE` appends a JSON line at every train batch end (`["batch", epoch,
+batch + 1, steps, updates, pending]`) and epoch end (`["epoch", epoch,
+updates, pending]`). A run that ends also writes the optimizer's variables
+to OUT_FILE with `.optimizer.npz` for `.npz`.
 """
 
 import argparse
@@ -36,21 +41,30 @@ import keras_accum  # noqa: E402
 
 
 class KillAt(keras.callbacks.Callback):
-    """SIGKILL after train batch `EPOCH:BATCH`, or validation batch
+    """SIGKILL after train batch `EPOCH:BATCH`, validation batch
     `vEPOCH:BATCH` (1-based batches; the first call of `steps_per_execution`
-    batches that reaches it)."""
+    batches that reaches it), or at the end of epoch `eEPOCH`, after its
+    backup."""
 
     def __init__(self, spec):
         super().__init__()
         self.in_validation = spec.startswith("v")
-        self.at = tuple(map(int, spec.lstrip("v").split(":")))
+        self.at_epoch_end = spec.startswith("e")
+        self.at = tuple(map(int, spec.lstrip("ve").split(":")))
         self.epoch = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        # After the callbacks before it: the epoch's backup is made.
+        if self.at_epoch_end and epoch == self.at[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def _kill_at(self, batch, in_validation):
         # `batch + 1` can pass the batch: calls of `steps_per_execution`.
+        if self.at_epoch_end:
+            return
         if in_validation == self.in_validation and (
             self.epoch == self.at[0] and batch + 1 >= self.at[1]
         ):
@@ -97,6 +111,36 @@ class LogStart(keras.callbacks.Callback):
             with open(self.path, "a") as f:
                 f.write(json.dumps([epoch] + self.start) + "\n")
             self.start = None
+
+    def on_train_end(self, logs=None):
+        # No epoch was left to train.
+        self.on_epoch_begin(self.params["epochs"])
+
+
+class Trace(keras.callbacks.Callback):
+    """Appends the state at every train batch end and epoch end."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.epoch = path, None
+
+    def _state(self):
+        return [int(np.asarray(self.model.optimizer.iterations)),
+                int(np.asarray(self.model.micro_step))]
+
+    def _write(self, line):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = (self.params or {}).get("steps")
+        self._write(["batch", self.epoch, batch + 1, steps, *self._state()])
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._write(["epoch", epoch, *self._state()])
 
 
 class GlobalNoise(keras.layers.Layer):
@@ -157,6 +201,10 @@ def parse(argv):
     parser.add_argument("--save-before-preemption", action="store_true")
     parser.add_argument("--multi-worker", action="store_true",
                         help="MultiWorkerMirroredStrategy (TF_CONFIG)")
+    parser.add_argument("--file-url", action="store_true",
+                        help="BACKUP_DIR as a file:// URL")
+    parser.add_argument("--trace", help="a file for the state at every "
+                        "batch and epoch end")
     return parser.parse_args(argv)
 
 
@@ -245,9 +293,12 @@ def main(argv):
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     else:
         strategy = tf.distribute.get_strategy()
+    backup_dir = args.backup_dir
+    if args.file_url:
+        backup_dir = "file://" + os.path.abspath(backup_dir)
     callbacks = [
         keras_accum.callbacks.BackupAndRestore(
-            args.backup_dir, save_freq,
+            backup_dir, save_freq,
             double_checkpoint=args.double_checkpoint,
             save_before_preemption=args.save_before_preemption,
         )
@@ -258,10 +309,14 @@ def main(argv):
         callbacks.append(KillAt(args.kill))
     if args.term:
         callbacks.append(TermAt(args.term))
+    if args.trace:
+        callbacks.append(Trace(args.trace))
     with strategy.scope():
         model = build(args)
     model = fit(model, args, callbacks)
     np.savez(args.out, *model.get_weights())
+    np.savez(args.out.replace(".npz", ".optimizer.npz"),
+             *[np.asarray(v) for v in model.optimizer.variables])
     last = {k: float(v[-1]) for k, v in model.history.history.items()}
     with open(args.out.replace(".npz", ".json"), "w") as f:
         json.dump(last, f)

@@ -1,0 +1,358 @@
+"""The backup folder's format: naming, writing, listing, fallback order and
+pruning (docs/design.md, "The backup folder"). No Keras here.
+
+Every file operation goes through TensorFlow's file system
+(`tf.io.gfile`), so a `backup_dir` may be any path that TensorFlow reads:
+a local path, `file://`, `gs://`, `hdfs://`, `ram://`. Object stores have
+no atomic rename and no fsync, and some file systems append when a file is
+written again, so a backup is a folder of its own, each of its files
+written once, and the last one written is its manifest: the backup's
+position and the size of every other file. A folder without a manifest is
+a backup that was not completed (its writer was killed); a manifest that
+cannot be read, or whose sizes do not match the files, marks a damaged
+backup. Nothing is rewritten in place and nothing is renamed.
+
+Layout: `backup_dir/backup-{epoch}-{batches}-w{worker}-{time_ns}/` holding
+`model.weights.h5` and `manifest.json`. Folders of the previous layout
+(`backup-{epoch}-{batches}-{pid}-{time_ns}/` with `position.json`, which
+was written last, and a `latest` pointer file) are still read.
+"""
+
+import contextlib
+import dataclasses
+import json
+import numbers
+import os
+import re
+import shutil
+import tempfile
+import time
+
+import tensorflow as tf
+
+MANIFEST = "manifest.json"
+WEIGHTS = "model.weights.h5"
+FORMAT = 2
+_NAME = re.compile(r"backup-(\d+)-(\d+)-w(\d+)-(\d+)")
+# The previous layout: `backup-{epoch}-{batches}-{pid}-{time_ns}`, its
+# position in `position.json`, a pointer file `latest` beside.
+_LEGACY_NAME = re.compile(r"backup-(\d+)-(\d+)-(\d+)-(\d+)")
+_LEGACY_POSITION = "position.json"
+_LEGACY_POINTER = "latest"
+_PROBE = ".write-probe-"
+
+# What reading or loading a damaged backup raises (h5py: `OSError`;
+# TensorFlow's file system: `tf.errors.OpError`).
+DAMAGE = (OSError, ValueError, KeyError, TypeError, tf.errors.OpError)
+
+
+@dataclasses.dataclass
+class Backup:
+    """One backup folder of `root`.
+
+    Attributes:
+        root: the `backup_dir` that holds it.
+        name: the folder's name.
+        epoch, batches: the position it was made at (from its name).
+        worker: the index of the worker that wrote it, `None` for a folder
+            of the previous layout.
+        time_ns: when it was made (from its name).
+    """
+
+    root: str
+    name: str
+    epoch: int
+    batches: int
+    worker: object
+    time_ns: int
+
+    @property
+    def path(self):
+        return join(self.root, self.name)
+
+    @property
+    def key(self):
+        """What identifies the backup across workers: its position."""
+        return self.epoch, self.batches
+
+    @property
+    def order(self):
+        """Newest last: position, then time."""
+        return self.epoch, self.batches, self.time_ns
+
+    def file(self, name):
+        return join(self.path, name)
+
+
+def join(root, name):
+    """`root/name` for any file system's path (`os.path.join` for local
+    ones; a URL keeps its `/`)."""
+    if "://" in root:
+        return root.rstrip("/") + "/" + name
+    return os.path.join(root, name)
+
+
+def is_remote(path):
+    """Whether `path` is not a local path (`scheme://...`)."""
+    return "://" in path
+
+
+def check_writable(root, worker):
+    """Creates `root` if needed and writes and deletes a small file in it.
+
+    Args:
+        root: str, the backup folder.
+        worker: int, this worker's index (names the probe file).
+
+    Raises:
+        OSError or tf.errors.OpError: if `root` cannot be written to.
+    """
+    tf.io.gfile.makedirs(root)
+    probe = join(root, f"{_PROBE}{worker}-{os.getpid()}-{time.time_ns()}")
+    with tf.io.gfile.GFile(probe, "wb") as f:
+        f.write(b"")
+    tf.io.gfile.remove(probe)
+
+
+def is_file(root):
+    """Whether `root` exists and is not a folder."""
+    return tf.io.gfile.exists(root) and not tf.io.gfile.isdir(root)
+
+
+def write(root, epoch, batches, worker, save_weights, position):
+    """Writes a complete backup folder into `root`, its manifest last.
+
+    Args:
+        root: str, the backup folder (it exists).
+        epoch, batches: int, the position the backup is made at.
+        worker: int, this worker's index.
+        save_weights: a function of a local file path that writes the
+            weights file there.
+        position: a JSON-serializable dict, the backup's position.
+
+    Returns:
+        The `Backup` written.
+    """
+    stamp = time.time_ns()
+    name = f"backup-{epoch}-{batches}-w{worker}-{stamp}"
+    backup = Backup(root, name, epoch, batches, worker, stamp)
+    tf.io.gfile.makedirs(backup.path)
+    sizes = {}
+    with _local_target(backup.file(WEIGHTS)) as local:
+        save_weights(local)
+    sizes[WEIGHTS] = tf.io.gfile.stat(backup.file(WEIGHTS)).length
+    manifest = {"format": FORMAT, "files": sizes, "position": position}
+    with tf.io.gfile.GFile(backup.file(MANIFEST), "wb") as f:
+        f.write(json.dumps(manifest).encode("utf-8"))
+    return backup
+
+
+@contextlib.contextmanager
+def _local_target(path):
+    """A local path to write `path`'s content to: `path` itself if it is
+    local, else a temporary file copied to `path` once written."""
+    if not is_remote(path):
+        yield path
+        return
+    folder = tempfile.mkdtemp()
+    try:
+        local = os.path.join(folder, os.path.basename(path))
+        yield local
+        with open(local, "rb") as source, tf.io.gfile.GFile(path, "wb") as f:
+            while chunk := source.read(1 << 24):
+                f.write(chunk)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_copy(path):
+    """A local path with `path`'s content (a temporary copy if `path` is
+    not local)."""
+    if not is_remote(path):
+        yield path
+        return
+    folder = tempfile.mkdtemp()
+    try:
+        local = os.path.join(folder, os.path.basename(path))
+        with tf.io.gfile.GFile(path, "rb") as source, open(local, "wb") as f:
+            while chunk := source.read(1 << 24):
+                f.write(chunk)
+        yield local
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def listing(root):
+    """The backup folders in `root`, newest first (empty if `root` does
+    not exist)."""
+    if not tf.io.gfile.isdir(root):
+        return []
+    found = []
+    for entry in tf.io.gfile.listdir(root):
+        entry = entry.rstrip("/")
+        match = _NAME.fullmatch(entry)
+        legacy = None if match else _LEGACY_NAME.fullmatch(entry)
+        if match:
+            epoch, batches, worker, stamp = map(int, match.groups())
+        elif legacy:
+            epoch, batches, _, stamp = map(int, legacy.groups())
+            worker = None
+        else:
+            continue
+        found.append(Backup(root, entry, epoch, batches, worker, stamp))
+    found.sort(key=lambda b: b.order, reverse=True)
+    return found
+
+
+def read(backup):
+    """A backup's position, its files checked against its manifest.
+
+    Args:
+        backup: a `Backup`.
+
+    Returns:
+        The position dict, or `None` if the backup was not completed (no
+        manifest: its writer stopped before the end).
+
+    Raises:
+        One of `DAMAGE`, naming the problem, if the backup is damaged.
+    """
+    if backup.worker is None:  # the previous layout: position.json last
+        path = backup.file(_LEGACY_POSITION)
+        if not tf.io.gfile.exists(path):
+            return None
+        return check_position(_read_json(path))
+    path = backup.file(MANIFEST)
+    if not tf.io.gfile.exists(path):
+        return None
+    manifest = _read_json(path)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(
+            f"unknown format. Received: format={manifest.get('format')!r}"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or WEIGHTS not in files:
+        raise ValueError(
+            f"`files` must list `{WEIGHTS}` and its size. Received: "
+            f"files={files!r}"
+        )
+    for name, size in files.items():
+        file = backup.file(name)
+        if not tf.io.gfile.exists(file):
+            raise ValueError(f"the manifest lists '{file}', which is missing")
+        found = tf.io.gfile.stat(file).length
+        if found != size:
+            raise ValueError(
+                f"'{file}' holds {found} bytes, its manifest lists {size}"
+            )
+    return check_position(manifest.get("position"))
+
+
+def weights_file(backup):
+    return backup.file(WEIGHTS)
+
+
+def _read_json(path):
+    with tf.io.gfile.GFile(path, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def prune(root, worker, keep):
+    """Deletes this worker's backup folders in `root` but `keep` (names),
+    the ones its killed processes left half-written included; the chief
+    (worker 0) deletes the previous layout's folders and pointer too.
+    Folders that other workers wrote are theirs to delete."""
+    for backup in listing(root):
+        if backup.name in keep:
+            continue
+        if backup.worker == worker or (backup.worker is None and worker == 0):
+            remove(backup.path)
+    pointer = join(root, _LEGACY_POINTER)
+    if worker == 0 and tf.io.gfile.exists(pointer):
+        with contextlib.suppress(tf.errors.OpError):
+            tf.io.gfile.remove(pointer)
+
+
+def remove(path):
+    """Deletes the folder `path` and what it holds, if it exists."""
+    with contextlib.suppress(tf.errors.OpError, OSError):
+        tf.io.gfile.rmtree(path)
+
+
+def check_position(position):
+    """`position` (a backup's position dict), its fields checked.
+
+    Raises:
+        ValueError: naming the field and the value received.
+    """
+    if not isinstance(position, dict):
+        raise ValueError(
+            "expected a JSON object. Received: "
+            f"{type(position).__name__}"
+        )
+
+    def ints(value):  # `true` and `false` load as `bool`
+        return isinstance(value, list) and all(type(v) is int for v in value)
+
+    for key in ("epoch", "batches"):
+        if key not in position:
+            raise ValueError(f"`{key}` is missing")
+        if type(position[key]) is not int or position[key] < 0:
+            raise ValueError(
+                f"`{key}` must be an integer >= 0. Received: "
+                f"{key}={position[key]!r}"
+            )
+    states = position.get("seed_generators", [])
+    if not isinstance(states, list) or not all(map(ints, states)):
+        raise ValueError(
+            "`seed_generators` must be a list of lists of integers. "
+            f"Received: seed_generators={states!r}"
+        )
+    metrics = position.get("metrics", [])
+    if not isinstance(metrics, list) or not all(map(_numbers, metrics)):
+        raise ValueError(
+            "`metrics` must be a list of numbers or nested lists of "
+            f"numbers. Received: metrics={metrics!r}"
+        )
+    fingerprint = position.get("fingerprint")
+    if fingerprint is not None and not _fingerprint(fingerprint):
+        raise ValueError(
+            "`fingerprint` must be a list of 3 numbers. Received: "
+            f"fingerprint={fingerprint!r}"
+        )
+    per_worker = position.get("worker_fingerprints")
+    if per_worker is not None and not (
+        isinstance(per_worker, list) and all(map(_fingerprint, per_worker))
+    ):
+        raise ValueError(
+            "`worker_fingerprints` must be a list of lists of 3 numbers. "
+            f"Received: worker_fingerprints={per_worker!r}"
+        )
+    state = position.get("global_seed_generator")
+    if state is not None and not ints(state):
+        raise ValueError(
+            "`global_seed_generator` must be a list of integers or null. "
+            f"Received: global_seed_generator={state!r}"
+        )
+    logs = position.get("logs")
+    if logs is not None and not (
+        isinstance(logs, dict)
+        and all(isinstance(k, str) and _numbers(v) for k, v in logs.items())
+    ):
+        raise ValueError(
+            "`logs` must map names to numbers. Received: "
+            f"logs={logs!r}"
+        )
+    return position
+
+
+def _fingerprint(value):
+    return isinstance(value, list) and len(value) == 3 and _numbers(value)
+
+
+def _numbers(value):
+    """Whether `value` is a number or a nested list of numbers."""
+    if isinstance(value, list):
+        return all(map(_numbers, value))
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
