@@ -16,6 +16,7 @@ from keras_accum import remat as remat_lib
 from keras_accum._auto_micro_batch import AutoMicroBatch
 from keras_accum._input_position import InputPosition
 from keras_accum._fit_hooks import EpochEnd
+from keras_accum._fit_hooks import is_backup
 from keras_accum._fit_hooks import window_train_function
 from keras_accum._fit_hooks import with_window_callbacks
 from keras_accum._tf_utils import xla_placement
@@ -24,7 +25,6 @@ from keras_accum.accumulator import is_loss_scale_optimizer
 from keras_accum.accumulator import resolve_policy
 from keras_accum.accumulator import validate_steps
 from keras_accum.batch_norm import WindowBatchNormStatistics
-from keras_accum.callbacks import BackupAndRestore
 
 # One micro-batch's forward pass (`normalizer`: `None` for a sum; `terms`:
 # `loss_normalizer.LossTerm`s, `None` if one is of an unknown kind).
@@ -659,7 +659,7 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         backups = [
             c
             for c in getattr(callbacks, "callbacks", callbacks)
-            if isinstance(c, BackupAndRestore)
+            if is_backup(c)
         ]
         if self.input_position.start_fit(bool(backups)):
             self.train_function = None
