@@ -1,21 +1,28 @@
-"""`BackupAndRestore` with two workers that share one backup folder.
+"""`BackupAndRestore` with two workers: one folder, or one per worker.
 
 Two processes train under `MultiWorkerMirroredStrategy` (localhost, CPU,
 float64) with `resume/train.py` (7 batches an epoch, windows of 4, backups
-every 2 batches), as cluster jobs are written: the same `backup_dir` for
-both. The runs (`resume/multi_worker.py`, in the background from the first
-test): the uninterrupted run; worker 1 killed with SIGKILL mid-window
-(batch 3 of epoch 1), worker 0 then killed too; both restarted, worker 1
-sent SIGTERM during batch 3 of epoch 2 (`save_before_preemption=True`):
-both back up there and exit with `PREEMPTION_EXIT_CODE`; both restarted
-to the end; then, into another folder, worker 0 (the chief, the one that
-writes) killed mid-window (worker 1's collective then fails, or it is
-killed too), both restarted to the end. The resumed workers end with the
-uninterrupted run's weights.
+every 2 batches); every worker writes its own backups. The runs
+(`resume/multi_worker.py`, in the background from the first test): the
+uninterrupted run; with one folder for both, worker 1 killed with SIGKILL
+mid-window (batch 3 of epoch 1), worker 0 then killed too; both restarted,
+worker 1 sent SIGTERM during batch 3 of epoch 2
+(`save_before_preemption=True`): both back up at the next batch (the
+workers agree through TensorFlow's coordination service, not a collective
+per batch) and exit with `PREEMPTION_EXIT_CODE`; both restarted to the
+end. Then the chief killed mid-window; worker 1 killed mid-window with a
+folder per worker, and with one `file://` folder; each time both
+restarted. The resumed workers start where the last backup was made and
+end with the uninterrupted run's weights, optimizer variables and logs.
+With a folder per worker and worker 1's folder lost before the restart,
+the workers hold no backup in common: both raise the same error, which
+names each worker's backups and the fix, twice in a row (no collective
+failure, no wedge).
 """
 
 import json
 import os
+import re
 import signal
 import sys
 
@@ -37,7 +44,7 @@ def start_background_runs(tmp_path_factory):
     return start(
         tmp_path_factory, "resume_multi_worker",
         lambda folder: [sys.executable, SCRIPT, str(folder)], env,
-        timeout=6 * 240,
+        timeout=13 * 240,
     )
 
 
@@ -60,20 +67,30 @@ def _check_codes(result, codes):
         assert code == codes, (result["run"], stderr)
 
 
-def _check_resumed(folder, prefix, starts, what):
+def _check_resumed(folder, run, starts, what, backup_dirs=("backup",)):
     """Each worker's starts (`[epoch, updates, pending micro-batches]` of
-    each run), its resumed weights against the uninterrupted run's, and the
-    backup folder gone at the end."""
+    each run), its resumed weights, optimizer variables and last epoch's
+    logs against the uninterrupted run's, and the backup folders gone at
+    the end."""
+    prefix = run.split("_")[0] + "_" if "_" in run else ""
     for worker in (0, 1):
         logged = (folder / f"{prefix}starts-{worker}.jsonl").read_text()
         assert [json.loads(line) for line in logged.splitlines()] == starts
-        diff = relative_difference(
-            _weights(folder / f"uninterrupted-{worker}.npz"),
-            _weights(folder / f"{prefix}resumed-{worker}.npz"),
-        )
+        reference = folder / f"uninterrupted-{worker}.npz"
+        resumed = folder / f"{run}-{worker}.npz"
+        diff = relative_difference(_weights(reference), _weights(resumed))
         record(what, diff)
         assert diff <= 1e-12, f"worker {worker} differs: {diff:.3g}"
-    assert not (folder / f"{prefix}backup").exists()
+        diff = relative_difference(*(
+            _weights(p.with_suffix(".optimizer.npz"))
+            for p in (reference, resumed)
+        ))
+        assert diff <= 1e-12, f"worker {worker}'s optimizer: {diff:.3g}"
+        logs = [json.loads(p.with_suffix(".json").read_text())
+                for p in (reference, resumed)]
+        assert logs[1] == logs[0]
+    for name in backup_dirs:
+        assert not (folder / name).exists()
 
 
 @pytest.mark.slow
@@ -95,14 +112,14 @@ def test_killed_worker_then_sigterm_resume_exactly(tmp_path_factory):
     # Killed: the backup after batch 2 of epoch 1 is the only one left.
     _check_codes(runs["killed"], -signal.SIGKILL)
     assert runs["killed"]["backups"] == [[1, 2]]
-    # SIGTERM to worker 1 only, during batch 3 of epoch 2: both stop after
-    # it, back up there (not at batch 2, the last `save_freq` point) and
-    # exit with the documented status.
+    # SIGTERM to worker 1 only, during batch 3 of epoch 2: both stop at
+    # the check point after the one where it saw the signal, batch 4 (its
+    # window's end), back up there and exit with the documented status.
     _check_codes(runs["preempted"], BackupAndRestore.PREEMPTION_EXIT_CODE)
-    assert runs["preempted"]["backups"] == [[2, 3]]
+    assert runs["preempted"]["backups"] == [[2, 4]]
     _check_codes(runs["resumed"], 0)
     _check_resumed(
-        folder, "", [[0, 0, 0], [0, 0, 0], [1, 2, 2], [2, 4, 3]],
+        folder, "resumed", [[0, 0, 0], [0, 0, 0], [1, 2, 2], [2, 5, 0]],
         "resumed two workers after SIGKILL and SIGTERM",
     )
 
@@ -124,6 +141,62 @@ def test_killed_chief_resumes_exactly(tmp_path_factory):
     assert runs["chief_killed"]["backups"] == [[1, 2]]
     _check_codes(runs["chief_resumed"], 0)
     _check_resumed(
-        folder, "chief_", [[0, 0, 0], [1, 2, 2]],
+        folder, "chief_resumed", [[0, 0, 0], [1, 2, 2]],
         "resumed two workers after the chief's SIGKILL",
+        ["chief_backup"],
     )
+
+
+@pytest.mark.slow
+@pytest.mark.background(start=start_background_runs)
+@pytest.mark.parametrize("layout", ["own", "url"])
+def test_killed_worker_resumes_exactly_in_any_layout(
+    tmp_path_factory, layout
+):
+    # `own`: a folder per worker (local disks); `url`: one folder given as
+    # a `file://` URL. Worker 1 killed after batch 3 of epoch 1: both hold
+    # the backup after batch 2, and resume there.
+    folder, runs = _runs(tmp_path_factory)
+    _check_codes(runs[f"{layout}_killed"], -signal.SIGKILL)
+    assert runs[f"{layout}_killed"]["backups"] == [[1, 2]]
+    _check_codes(runs[f"{layout}_resumed"], 0)
+    dirs = (["own_backup-0", "own_backup-1"] if layout == "own"
+            else ["url_backup"])
+    _check_resumed(
+        folder, f"{layout}_resumed", [[0, 0, 0], [1, 2, 2]],
+        f"resumed two workers ({layout} folders)", dirs,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.background(start=start_background_runs)
+def test_lost_folder_is_the_same_clear_error_on_both_workers(
+    tmp_path_factory
+):
+    # A folder per worker; worker 1's deleted before each restart: worker
+    # 0 holds the backup after batch 2 of epoch 1, worker 1 none. Both
+    # raise the same error, naming each worker's backups and the fix, and
+    # again at the next restart.
+    folder, runs = _runs(tmp_path_factory)
+    assert runs["lost_killed"]["backups"] == [[1, 2]]
+    for run in ("lost_restart1", "lost_restart2"):
+        codes, stderr = runs[run]["returncodes"], runs[run]["stderr"]
+        assert codes == [1, 1], stderr
+        errors = [
+            re.findall(r"^ValueError: (.*)$", text, re.M)[-1]
+            for text in stderr
+        ]
+        assert errors[0] == errors[1], errors
+        message = (
+            r"The workers hold no backup in common, so they cannot resume "
+            r"at the same position: worker 0 holds backups in "
+            r"'[^']*lost_backup-0' \(after batch 2 of epoch 1\); worker 1 "
+            r"holds none in '[^']*lost_backup-1'\. Every worker needs the "
+            r"same backup: copy the newest backup folder of worker 0's "
+            r"'[^']*lost_backup-0' into the `backup_dir` of each worker "
+            r"that lacks it, or, to start training over, delete the "
+            r"backups of all workers\."
+        )
+        assert re.fullmatch(message, errors[0]), errors[0]
+    # Nothing was deleted: worker 0's backup is still there.
+    assert (folder / "lost_backup-0").exists()
