@@ -234,7 +234,7 @@ class GradientAccumulator(tf.Module):
         with tf.control_dependencies(_tensors(gradients)):
             if is_loss_scale_optimizer(optimizer):
                 # Unscaled through the buffers' factor (docs/design.md).
-                scale = tf.cast(optimizer.dynamic_scale, tf.float32)
+                scale = tf.cast(compat.loss_scale(optimizer), tf.float32)
                 gradient_scale = gradient_scale / scale
             add = functools.partial(
                 window.add, gradients, normalizer, gradient_scale

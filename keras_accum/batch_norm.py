@@ -250,6 +250,10 @@ class WindowBatchNormStatistics(tf.Module):
         }
         if not recorded:
             return
+        for layer in layers:
+            # Keras' update, suppressed: else it moves them once more.
+            if recording.calls[layer] and layer not in recording.assigned:
+                raise compat.moving_statistics_not_assigned(layer)
         self._ensure_calls(recorded)
         groups = [
             group
@@ -371,6 +375,7 @@ class WindowBatchNormStatistics(tf.Module):
         def suppressed(value, *args, **kwargs):
             recording = getattr(self._local, "recording", None)
             if recording is not None and recording.suppresses(layer):
+                recording.assigned.add(layer)
                 return value
             return assign(value, *args, **kwargs)
 
@@ -385,6 +390,7 @@ class _ForwardRecording:
         self.graph = current_graph()
         self.calls = {layer: [] for layer in layers}
         self.suppress = {}  # layer -> whether its last call was recorded
+        self.assigned = set()  # layers whose update was suppressed
 
     @functools.cached_property
     def _has_trainable_weights(self):

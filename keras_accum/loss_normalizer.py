@@ -7,6 +7,7 @@ import functools
 import threading
 import warnings
 
+import keras
 import tensorflow as tf
 from keras import ops
 from keras import tree
@@ -90,7 +91,7 @@ class RecordingLoss:
 
         # The same steps as `keras.losses.Loss.__call__`.
         in_mask = compat.get_keras_mask(y_pred)
-        with compat.name_scope(loss.name):
+        with keras.name_scope(loss.name):
             convert = functools.partial(ops.convert_to_tensor, dtype=loss.dtype)
             y_pred = tree.map_structure(convert, y_pred)
             y_true = tree.map_structure(convert, y_true)
@@ -151,4 +152,4 @@ def install(model, x, y, y_pred, sample_weight):
     flat = compat.flat_losses(compile_loss)
     for i, entry in enumerate(flat):
         if not isinstance(entry.loss, RecordingLoss):
-            flat[i] = entry._replace(loss=RecordingLoss(entry.loss))
+            flat[i] = compat.with_loss(entry, RecordingLoss(entry.loss))

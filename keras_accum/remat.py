@@ -269,10 +269,10 @@ class _Patches:
                         _recomputed_call, layer, layer.call
                     ))
                 for functional, segments in plan.graphs:
-                    self._set(functional, "_run_through_graph",
+                    self._set(functional, compat.RUN_THROUGH_GRAPH,
                               functools.partial(
                                   _segmented_run, functional, segments,
-                                  functional._run_through_graph,
+                                  compat.run_through_graph(functional),
                               ))
         try:
             yield
@@ -375,7 +375,8 @@ def _filled(structure, flat, inputs):
 
 def _segmented_run(functional, segments, keras_run, inputs,
                    operation_fn=lambda op: op, call_fn=None):
-    """`functional._run_through_graph`, each segment recomputed."""
+    """Keras' run of `functional`'s graph (`keras_run`), each segment
+    recomputed."""
     if call_fn is not None:  # symbolic runs: Keras' own
         return keras_run(inputs, operation_fn, call_fn)
     tensors = {
