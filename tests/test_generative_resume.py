@@ -8,9 +8,14 @@ two places to kill it with SIGKILL (a train batch or a validation batch of
 any epoch; in the second test, only an epoch's last train batch or its
 validation). The
 script runs uninterrupted, then killed at each place and started again with
-the same command until it ends; the restarted run must end with the
-uninterrupted run's weights (float64: within 1e-12; mixed precision:
-equal) and log the same figures for its last epoch. Every run is a process
+the same command until it ends; each restart must begin where the backup
+before its kill was made (`[epoch, updates, pending micro-batches]`, the
+uninterrupted run's state at that backup: its trace of every batch and
+epoch end, and where the callback's `save_freq` backs up), and the
+restarted run must end with the uninterrupted run's weights and optimizer
+variables (float64: within 1e-12; mixed precision: equal) and log the same
+figures for its last epoch. A restore that did nothing (a retrain from
+scratch) fails the first check. Every run is a process
 of its own, forked from one server process that imported TensorFlow once
 (`resume/restarts.py --serve`). A failure shrinks to the smallest script.
 
@@ -208,10 +213,11 @@ def _assert_resumes_exactly(script, runs, tmp_path_factory):
     folder = tmp_path_factory.mktemp("script")
     uninterrupted = folder / "uninterrupted.npz"
     restarted = [str(folder / "restarted.npz"), str(folder / "backup"),
-                 *options]
+                 *options, "--log", str(folder / "starts.jsonl")]
     results = runs({
         "uninterrupted": [
-            [str(uninterrupted), str(folder / "unused_backup"), *options]
+            [str(uninterrupted), str(folder / "unused_backup"), *options,
+             "--trace", str(folder / "trace.jsonl")]
         ],
         "restarted": [restarted + ["--kill", kill] for kill in kills]
         + [restarted],
@@ -223,6 +229,13 @@ def _assert_resumes_exactly(script, runs, tmp_path_factory):
         # previous run, so each run reaches its place.
         _assert_exit(run, -signal.SIGKILL)
     _assert_exit(resumed, 0)
+    # Each run began at the backup before the previous run's kill.
+    trace = [json.loads(line) for line in
+             (folder / "trace.jsonl").read_text().splitlines()]
+    save_freq = options[options.index("--save-freq") + 1]
+    starts = [json.loads(line) for line in
+              (folder / "starts.jsonl").read_text().splitlines()]
+    assert starts == expected_starts(trace, kills, save_freq)
     out = folder / "restarted.npz"
     diff = relative_difference(_weights(uninterrupted), _weights(out))
     record("resumed after SIGKILL (generative)", diff)
@@ -230,6 +243,56 @@ def _assert_resumes_exactly(script, runs, tmp_path_factory):
         options.index("--precision") + 1
     ] != "float64"
     assert diff <= (0.0 if exact else 1e-12), f"resumed run differs: {diff:.3g}"
+    diff = relative_difference(*(
+        _weights(p.with_suffix(".optimizer.npz"))
+        for p in (uninterrupted, out)
+    ))
+    assert diff <= (0.0 if exact else 1e-12), f"optimizer differs: {diff:.3g}"
     logs = [json.loads(p.with_suffix(".json").read_text())
             for p in (uninterrupted, out)]
     assert logs[1] == logs[0]
+
+
+def expected_starts(trace, kills, save_freq):
+    """Where each run of a script killed at `kills` begins: `[epoch,
+    updates, pending micro-batches]` of the uninterrupted run (`trace`:
+    `train.py --trace`'s lines) at the last backup before each kill, `[0,
+    0, 0]` for the first run and after a kill before any backup.
+
+    A backup is made at every epoch end (after the window's end there),
+    and with an integer `save_freq` at the batch end where `save_freq`
+    batches have been trained since the last backup (an epoch's last call
+    of `steps_per_execution` counts up to the epoch's length, the nominal
+    count on input of unknown length). A restart resumes at a backup with
+    its count at zero, as the uninterrupted run's count is there: the
+    backups after it are the uninterrupted run's.
+    """
+    every = None if save_freq == "epoch" else int(save_freq)
+    backups, since, done = [], 0, 0
+    for index, event in enumerate(trace):
+        if event[0] == "batch":
+            _, epoch, end, steps, updates, pending = event
+            end = min(end, steps) if steps else end
+            seen, done = end - done, end
+            since += max(seen, 0)
+            if every and seen > 0 and since >= every:
+                backups.append((index, [epoch, updates, pending]))
+                since = 0
+        else:
+            _, epoch, updates, pending = event
+            backups.append((index, [epoch + 1, updates, pending]))
+            since = done = 0
+    starts = [[0, 0, 0]]
+    for kill in kills:
+        if kill.startswith("v"):
+            # In validation: after the epoch's batches, before its end.
+            epoch = int(kill[1:].split(":")[0])
+            at = next(i for i, e in enumerate(trace)
+                      if e[0] == "epoch" and e[1] == epoch) - 1
+        else:
+            epoch, batch = map(int, kill.split(":"))
+            at = next(i for i, e in enumerate(trace)
+                      if e[0] == "batch" and e[1] == epoch and e[2] >= batch)
+        before = [start for index, start in backups if index <= at]
+        starts.append(before[-1] if before else [0, 0, 0])
+    return starts
