@@ -79,7 +79,7 @@ def _keras_classes():
     ]
 
 
-_FUNCTIONS = []
+_FUNCTIONS = []  # [the number of Keras' modules, their functions]
 
 
 def _renamed_code(code, names, constant):
@@ -102,8 +102,9 @@ def rename_in_keras(monkeypatch, old, new, strings=False, where=None,
     of its modules and classes and, with `strings`, its string constants
     equal to `old` (only those if not `names`). `where`: the modules (name
     prefixes) it is renamed in; all of Keras' if `None`."""
-    if not _FUNCTIONS:
-        _FUNCTIONS.extend(_functions())
+    if len(_FUNCTIONS) != 2 or _FUNCTIONS[0] != len(_keras_modules()):
+        # Once, and again if Keras has loaded modules since.
+        _FUNCTIONS[:] = [len(_keras_modules()), _functions()]
 
     def inside(module_name):
         return where is None or module_name.startswith(tuple(where))
@@ -113,7 +114,7 @@ def rename_in_keras(monkeypatch, old, new, strings=False, where=None,
     def constant(value):
         return new if strings and value == old else value
 
-    for function in _FUNCTIONS:
+    for function in _FUNCTIONS[1]:
         if not inside(function.__module__ or ""):
             continue
         code = _renamed_code(function.__code__, renamed, constant)
@@ -177,8 +178,12 @@ _AT_IMPORT = [
     # Read by Keras' code, not held by a class: its uses are checked.
     ("_initial_epoch", None, "Model._initial_epoch"),
     ("_flat_losses", None, "CompileLoss._flat_losses"),
-    ("GLOBAL_SEED_GENERATOR", None, "seed_generator.GLOBAL_SEED_GENERATOR"),
 ]
+if hasattr(sys.modules["keras.src.random.seed_generator"],
+           "GLOBAL_SEED_GENERATOR"):  # from Keras 3.15: the key's constant
+    _AT_IMPORT.append(
+        ("GLOBAL_SEED_GENERATOR", None, "seed_generator.GLOBAL_SEED_GENERATOR")
+    )
 
 
 @pytest.mark.parametrize(
@@ -220,28 +225,37 @@ def test_keras_stops_using_internal(monkeypatch, owner, method, name):
         compat.check_keras()
 
 
-@pytest.mark.parametrize(
-    "key", ["autocast_scope", "current_call_ctx", "global_seed_generator"]
-)
+@pytest.mark.parametrize("key", ["autocast_scope", "current_call_ctx"])
 def test_renamed_global_state_key(monkeypatch, key):
-    # The string constant, in Keras' code (from Keras 3.15 the seed
-    # generator's key is the module's constant, renamed too).
+    """The string constant, renamed in Keras' code."""
     rename_in_keras(
         monkeypatch, key, key + "_renamed", strings=True, names=False
     )
-    if key == "global_seed_generator":
-        from keras.src.random import seed_generator
+    with pytest.raises(_IMPORT_ERROR, match=re.escape(f"[{key!r}]")):
+        compat.check_keras()
 
+
+def test_renamed_global_seed_generator_key(monkeypatch):
+    """The global seed generator's key: from Keras 3.15 the module's
+    constant `GLOBAL_SEED_GENERATOR`, whose value keras_accum reads (a new
+    value is no failure; a new name is, test_renamed_at_import); before,
+    a string written out in `global_seed_generator()`."""
+    from keras.src.random import seed_generator
+
+    key = "global_seed_generator"
+    rename_in_keras(
+        monkeypatch, key, key + "_renamed", strings=True, names=False
+    )
+    if "GLOBAL_SEED_GENERATOR" in vars(seed_generator):
         monkeypatch.setattr(
-            seed_generator, "GLOBAL_SEED_GENERATOR", key + "_renamed",
-            raising=False,
+            seed_generator, "GLOBAL_SEED_GENERATOR", key + "_renamed"
         )
-        # Keras' new key is the one read: renaming the constant's value
-        # is not a failure; its name is (test_renamed_at_import).
-        compat.check_keras()
-        return
-    with pytest.raises(_IMPORT_ERROR, match=re.escape(key)):
-        compat.check_keras()
+        assert compat.check_keras() == key + "_renamed"
+    else:
+        with pytest.raises(
+            _IMPORT_ERROR, match=_named("seed_generator.GLOBAL_SEED_GENERATOR")
+        ):
+            compat.check_keras()
 
 
 def test_reworded_skipped_loading_warning(monkeypatch):
