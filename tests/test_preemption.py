@@ -81,6 +81,11 @@ def test_sigterm_backs_up_at_its_batch_and_resumes_exactly(
     )
     record("resumed after SIGTERM (one process)", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
+    diff = relative_difference(*(
+        _weights(p.with_suffix(".optimizer.npz"))
+        for p in (reference, run.folder / "resumed.npz")
+    ))
+    assert diff <= 1e-12, f"resumed optimizer differs: {diff:.3g}"
     logs = [json.loads(p.with_suffix(".json").read_text())
             for p in (reference, run.folder / "resumed.npz")]
     assert logs[1] == logs[0]
