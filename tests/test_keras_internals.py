@@ -282,11 +282,23 @@ def test_renamed_compile_loss_field(monkeypatch):
         compat.check_keras()
 
 
-def test_compile_loss_metrics_removed(monkeypatch):
-    from keras.src.trainers import compile_utils
-
-    monkeypatch.delattr(compile_utils.CompileLoss, "metrics")
-    with pytest.raises(_IMPORT_ERROR, match=_named("CompileLoss.metrics")):
+@pytest.mark.parametrize(
+    "module, owner, name, internal",
+    [
+        ("keras.src.trainers.compile_utils", "CompileLoss", "metrics",
+         "CompileLoss.metrics"),
+        ("keras.src.trainers.compile_utils", "CompileLoss", "Loss",
+         "CompileLoss.Loss"),
+        ("keras.src.losses.loss", None, "Loss", "keras.src.losses.loss.Loss"),
+    ],
+)
+def test_removed(monkeypatch, module, owner, name, internal):
+    """Names too common to rename in all of Keras: removed where held."""
+    holder = sys.modules[module]
+    if owner is not None:
+        holder = getattr(holder, owner)
+    monkeypatch.delattr(holder, name)
+    with pytest.raises(_IMPORT_ERROR, match=_named(internal)):
         compat.check_keras()
 
 
