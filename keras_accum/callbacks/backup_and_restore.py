@@ -27,7 +27,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Args:
         backup_dir: str or path, the folder for the backups of one training
-            run; it is created at the start of `fit()`.
+            run, on any file system that TensorFlow reads (a local path,
+            `gs://`, `hdfs://`, `file://`, `ram://`); it is created at the
+            start of `fit()`.
         save_freq: `"epoch"` (default), to back up at the end of every
             epoch; an int >= 1, to back up every `save_freq` batches too; or
             `False`, to only restore an existing backup (and back up on
@@ -43,23 +45,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_before_preemption: bool. If `True`, SIGTERM (what a cluster
             sends before it preempts a job) does not end the process at
             once: the train call in progress finishes, a backup is made at
-            that exact batch (with several workers, at the same batch on
-            all, the first one any of them sees the signal after), and the
-            process exits with status `PREEMPTION_EXIT_CODE` (42), to be
+            that batch (with several workers, at the same batch on all, at
+            most two batches after the signal, agreed through TensorFlow's
+            coordination service), and the process exits with status `PREEMPTION_EXIT_CODE` (42), to be
             restarted with the same command. The previous SIGTERM handler
             is put back at the end of `fit()`. Defaults to `False`.
 
     With several workers (`tf.distribute.MultiWorkerMirroredStrategy`),
-    all of them use the same `backup_dir`, on a file system that they all
-    see: the first worker (the chief) writes the backups, the others
-    write theirs to temporary folders that they delete, and every worker
-    restores the chief's. A restart needs all the workers restarted.
+    each worker writes its own backups into its `backup_dir`: one folder
+    that all share, or a folder per worker (local disks). At a restart the
+    workers restore the newest backup that all of them hold. A restart
+    needs all the workers restarted.
 
     Raises:
         ValueError: for an invalid argument; at the start of `fit()`, if the
             model is not a `GradientAccumulationModel`, if `backup_dir`
-            cannot be written to, if no backup in it can be restored, or if
-            the backup is past the end of an epoch of this `fit()`; in the
+            cannot be written to, if no backup in it can be restored, if
+            the workers hold no backup in common (on every worker, naming
+            each worker's backups), or if the backup is past the end of an
+            epoch of this `fit()`; in the
             first train step, if the input differs from the backed-up one
             (with `strict=True`); at the start of `fit()` with
             `save_before_preemption=True`, if it runs in another thread than
