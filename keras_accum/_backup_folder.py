@@ -68,6 +68,7 @@ class Backup:
 
     @property
     def path(self):
+        """The folder's path."""
         return join(self.root, self.name)
 
     @property
@@ -81,6 +82,7 @@ class Backup:
         return self.epoch, self.batches, self.time_ns
 
     def file(self, name):
+        """The path of the file `name` in the folder."""
         return join(self.path, name)
 
 
@@ -249,10 +251,6 @@ def read(backup):
     return check_position(manifest.get("position"))
 
 
-def weights_file(backup):
-    return backup.file(WEIGHTS)
-
-
 def _read_json(path):
     with tf.io.gfile.GFile(path, "rb") as f:
         return json.loads(f.read().decode("utf-8"))
@@ -348,6 +346,7 @@ def check_position(position):
 
 
 def _fingerprint(value):
+    """Whether `value` is a list of 3 numbers."""
     return isinstance(value, list) and len(value) == 3 and _numbers(value)
 
 

@@ -47,9 +47,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             once: the train call in progress finishes, a backup is made at
             that batch (with several workers, at the same batch on all, at
             most two batches after the signal, agreed through TensorFlow's
-            coordination service), and the process exits with status `PREEMPTION_EXIT_CODE` (42), to be
-            restarted with the same command. The previous SIGTERM handler
-            is put back at the end of `fit()`. Defaults to `False`.
+            coordination service), and the process exits with status
+            `PREEMPTION_EXIT_CODE` (42), to be restarted with the same
+            command. The previous SIGTERM handler is put back at the end
+            of `fit()`. Defaults to `False`.
 
     With several workers (`tf.distribute.MultiWorkerMirroredStrategy`),
     each worker writes its own backups into its `backup_dir`: one folder
@@ -326,7 +327,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._workers > 1:
             # No worker deletes a backup before all hold the new one.
             _workers.barrier(self._strategy)
-        keep = {backup.name, self._previous if self.double_checkpoint else None}
+        keep = {backup.name}
+        if self.double_checkpoint:
+            keep.add(self._previous)
         self._previous = backup.name
         folders.prune(self.backup_dir, self._worker, keep)
 

@@ -141,7 +141,8 @@ def main(folder, names=None):
         for index in (0, 1):
             argv = [os.path.join(folder, f"{name}-{index}.npz"), dirs[index],
                     *OPTIONS,
-                    "--log", os.path.join(folder, f"{log}starts-{index}.jsonl"),
+                    "--log",
+                    os.path.join(folder, f"{log}starts-{index}.jsonl"),
                     *options[index]]
             stderrs.append(tempfile.NamedTemporaryFile("r"))
             pids.append(forking.fork(

@@ -8,10 +8,12 @@ BatchNormalization (micro-batches of 8, 3 epochs, Adam) with
 (`--data unknown`). `--kill EPOCH:BATCH` has the process kill itself with
 SIGKILL right after that train batch (Keras' count: batches the resumed run
 skips count too), `--kill vEPOCH:BATCH` right after that batch of the
-epoch's validation, `--kill eEPOCH` at that epoch's end, after its backup. `--log FILE` appends where the run starts, after the
-restore, as a JSON line `[epoch, updates, pending micro-batches]`. A run that
-ends writes the final weights to OUT_FILE (`.npz`) and its last epoch's logs
-to OUT_FILE with `.json` for `.npz`. `--metrics` compiles metrics (`mae`,
+epoch's validation, `--kill eEPOCH` at that epoch's end, after its
+backup. `--log FILE` appends where the run starts, after the restore (or,
+with no epoch left to train, at the end), as a JSON line `[epoch,
+updates, pending micro-batches]`. A run that ends writes the final
+weights to OUT_FILE (`.npz`) and its last epoch's logs to OUT_FILE with
+`.json` for `.npz`. `--metrics` compiles metrics (`mae`,
 `accuracy`, `mean_iou`: the mean IoU of the signs of output and target).
 `--term EPOCH:BATCH` sends SIGTERM to the process as that train batch
 starts (`--save-before-preemption` has the callback back up and exit with
