@@ -307,6 +307,30 @@ def test_interrupted_fit_resumes_exactly(
     assert not tf.io.gfile.exists(backup)
 
 
+def test_restart_with_nothing_left_returns_the_last_epochs_logs(
+    tmp_path, float64
+):
+    # The backup at the end of the last epoch kept (as after a kill right
+    # after it): the restart trains nothing, and its History holds the
+    # last epoch's logs, the uninterrupted run's numbers.
+    folder = tmp_path / "backup"
+    reference = _fit([BackupAndRestore(folder, delete_checkpoint=False)])
+    assert [p.name.split("-")[:3] for p in folder.iterdir()] == [
+        ["backup", "3", "0"]
+    ]
+    start = _AtStart()
+    restarted = _fit([BackupAndRestore(folder), start])
+    assert start.epoch is None  # no epoch ran
+    assert restarted.history.epoch == [2]
+    assert restarted.history.history == {
+        k: [v[-1]] for k, v in reference.history.history.items()
+    }
+    assert relative_difference(
+        reference.get_weights(), restarted.get_weights()
+    ) == 0.0
+    assert not folder.exists()
+
+
 class _AtStart(keras.callbacks.Callback):
     """Records the updates and pending micro-batches that `fit()` starts
     from (after `BackupAndRestore` restored them), and its first epoch."""
