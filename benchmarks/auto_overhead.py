@@ -10,21 +10,22 @@ batches):
 | `fixed` | `GradientAccumulationModel(micro_batch_size=B)` |
 | `fixed_again` | a second, identical `fixed` model: the A/A control, whose ratio to `fixed` is the noise band |
 | `auto` | `GradientAccumulationModel(micro_batch_size="auto")` |
-| `auto_no_snapshot` | "auto" with the per-step snapshot left out (`--no-snapshot` rows only: a diagnosis, not a usable mode: a step that runs out of memory could not be rolled back) |
 
-"auto" takes each batch out of the iterator eagerly (so that a step that
-runs out of memory can be trained again on the same batch), snapshots the
-state a step writes in one traced call, then calls the step on the batch.
-The `auto_no_snapshot` side shows what the snapshot's call costs on its
-own.
+"auto" takes each batch out of the iterator on the host (so that a step
+that runs out of memory can be trained again on the same batch), and its
+step first copies the state it may write (to put it back after an
+out-of-memory error) before it writes any of it: what this benchmark
+weighs against the fixed size.
 
 **How.** One process. The models are built, compiled and warmed up (two
-`fit()` calls of the timed length), then `--rounds` (7) interleaved rounds
-follow: in each, each model runs `fit(dataset, epochs=1,
-steps_per_epoch=--steps)` (256 for the small MLP, 64 for the conv net),
-the order reversed every other round. Each call is timed by process CPU
-time; reported: ms per step (median over rounds), and the ratio to `fixed`
-round by round (median, min-max).
+`fit()` calls of the timed length), then `--rounds` (15) interleaved
+rounds follow: in each, each model runs `fit(..., epochs=1)` of `--steps`
+steps (256 for the small MLP, 64 for the conv net), the order reversed
+every other round. A callback reads the process CPU time at each batch's
+begin and end: a round's figure is the median step (the first two steps
+aside), so that `fit()`'s own set-up does not count. Reported: ms per step
+(median over rounds), and the ratio to `fixed` round by round (median,
+min-max).
 
 Two networks (benchmarks/features.py's): `small_mlp` (overhead-bound) and
 `conv_bn` (12 blocks of Conv2D + BatchNormalization, compute-bound), B=32.
@@ -33,8 +34,7 @@ default) or NumPy arrays (`arrays`, `fit(x, y, batch_size=B)`);
 `--threads 1` pins TensorFlow to one intra- and one inter-op thread (the
 default: TensorFlow's own).
 
-    python benchmarks/auto_overhead.py                 # about a minute
-    python benchmarks/auto_overhead.py --no-snapshot   # adds the diagnosis (69 s)
+    python benchmarks/auto_overhead.py                 # about two minutes
     python benchmarks/auto_overhead.py --networks conv_bn --input arrays --threads 1
 """
 
@@ -67,16 +67,32 @@ def build(spec, micro_batch_size, weights):
     return model
 
 
+class StepTimes(keras.callbacks.Callback):
+    """The process CPU time of each train step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.process_time()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds.append(time.process_time() - self._start)
+
+
 def seconds_per_step(model, data, steps):
-    start = time.process_time()
+    """The median step of one `fit()` of `steps` steps, the first two
+    aside."""
+    times = StepTimes()
     if isinstance(data, tuple):  # arrays, `steps` batches of B
         x, y, b = data
         model.fit(x[: steps * b], y[: steps * b], batch_size=b, epochs=1,
-                  verbose=0, shuffle=False)
+                  verbose=0, shuffle=False, callbacks=[times])
     else:
         model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0,
-                  shuffle=False)
-    return (time.process_time() - start) / steps
+                  shuffle=False, callbacks=[times])
+    return median(times.seconds[2:])
 
 
 def arrays(spec, b, steps, seed=0):
@@ -88,7 +104,7 @@ def arrays(spec, b, steps, seed=0):
     return x, y, b
 
 
-def run_network(name, spec, rounds, steps, no_snapshot, input_kind):
+def run_network(name, spec, rounds, steps, input_kind):
     b = spec["batch_size"]
     weights = common.reference_weights(spec)
     if input_kind == "arrays":
@@ -101,13 +117,6 @@ def run_network(name, spec, rounds, steps, no_snapshot, input_kind):
         models = {"fixed": build(spec, b, weights),
                   "fixed_again": build(spec, b, weights),
                   "auto": build(spec, "auto", weights)}
-        if no_snapshot:
-            model = build(spec, "auto", weights)
-            # The snapshot's values are put back only after an
-            # out-of-memory error, which a device without a limit never
-            # raises here.
-            model.auto_micro_batch._saved = lambda kind: ([], [])
-            models["auto_no_snapshot"] = model
         for model in models.values():
             for _ in range(2):
                 seconds_per_step(model, data, steps)
@@ -129,11 +138,9 @@ def run_network(name, spec, rounds, steps, no_snapshot, input_kind):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--networks", default="small_mlp,conv_bn")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per fit() call (default: per network)")
-    parser.add_argument("--no-snapshot", action="store_true",
-                        help="also time 'auto' without its snapshot")
     parser.add_argument("--input", choices=["dataset", "arrays"],
                         default="dataset")
     parser.add_argument("--threads", type=int, default=None,
@@ -147,7 +154,7 @@ def main():
     for name in args.networks.split(","):
         rows += run_network(
             name, specs[name], args.rounds, args.steps or STEPS[name],
-            args.no_snapshot, args.input,
+            args.input,
         )
     print(markdown_table(
         ["network", "side", "CPU ms/step (median)", "ratio to fixed (median)",

@@ -429,7 +429,7 @@ def run_feature_benchmarks(args, env):
     features = ["--quick"] if args.quick else []
     if args.json:
         features += ["--json", args.json.replace(".json", "_features.json")]
-    overhead = ["--no-snapshot"]
+    overhead = []
     if args.quick:
         overhead += ["--rounds", "2", "--steps", "8"]
     failures = {}

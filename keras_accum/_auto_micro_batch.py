@@ -9,6 +9,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_accum import _keras_compat as compat
 from keras_accum._tf_utils import components
 
 _MIB = 2**20
@@ -135,7 +136,7 @@ class AutoMicroBatch:
         # kind -> (its variables, the traced copy): kept while no new
         # function has run (a function's first call may make variables).
         self._snapshots = {}
-        self._takes = {}  # kind -> the batch and the copy in one call
+        self._in_step = None  # the train step's own `_StepSnapshot`
         self._said = {}  # (kind, signature) -> the size last reported
 
     def function(self, kind, make_function):
@@ -147,12 +148,7 @@ class AutoMicroBatch:
             self.memory.check(self.model.jit_compile)
 
         def run(data):  # an iterator (to predict: a list of batches)
-            saved = None
-            if kind != "predict" and self._takes_with_snapshot(kind, data):
-                # The batch and the state to put back in one traced call.
-                batch, saved = self._take(kind, data)
-                data = [batch]
-            elif kind != "predict":  # taken out before training, to retrain
+            if kind != "predict":  # taken out before training, to retrain
                 iterator, data = data, []
                 get = getattr(iterator, "get_next", None) or (
                     lambda: next(iterator)
@@ -164,10 +160,7 @@ class AutoMicroBatch:
                         if not data:
                             raise
                         break
-            outputs = [
-                self._run(kind, batch, make_function, saved if i == 0 else None)
-                for i, batch in enumerate(data)
-            ]
+            outputs = [self._run(kind, batch, make_function) for batch in data]
             if kind != "predict" or len(outputs) == 1:
                 return outputs[-1]
             return keras.tree.map_structure(
@@ -212,37 +205,50 @@ class AutoMicroBatch:
         variables, snapshot = self._snapshots[kind]
         return variables, snapshot()
 
-    def _takes_with_snapshot(self, kind, iterator):
-        """Whether a train batch and its snapshot come in one traced call:
-        one batch per call from a `tf.data` iterator, on one replica."""
-        model = self.model
-        return (
-            kind == "train"
-            and model.steps_per_execution == 1
-            and isinstance(iterator, tf.data.Iterator)
-            and model.distribute_strategy.num_replicas_in_sync == 1
-        )
-
-    def _take(self, kind, iterator):
-        """The iterator's next batch and `_saved(kind)`, in one call (the
-        eager `get_next()` and a second call cost as much again)."""
-        if kind not in self._snapshots:
-            self._saved(kind)
-        variables, snapshot = self._snapshots[kind]
-        take = self._takes.get(kind)
-        if take is None:
-
-            @tf.function(autograph=False)
-            def take(iterator):
-                return iterator.get_next(), snapshot()
-
-            self._takes[kind] = take
-        batch, values = take(iterator)
-        return batch, (variables, values)
-
     def _forget_snapshot(self, kind):
         self._snapshots.pop(kind, None)
-        self._takes.pop(kind, None)
+
+    def snapshot_in_step(self):
+        """Called where the train step is traced, before anything it
+        writes: copies the state that the step may write into the variables
+        kept for it (`StepSnapshots`), and returns the op that the step's
+        writes wait for; `None` under a distribution strategy, whose steps
+        are snapshotted by a call of their own (`_saved()`)."""
+        if tf.distribute.has_strategy() or self._in_step is None:
+            return None
+        return self._in_step.take()
+
+    def _prepare_in_step(self):
+        """Before a new train function's first call: the copies that its
+        step will write (variables are made here, not while tracing)."""
+        if self._in_step is None:
+            self._in_step = StepSnapshots()
+        variables = self._variables("train", with_buffers=True)
+        frozen = self._frozen()
+        self._in_step.prepare(
+            [c for c in variables if id(c) not in frozen], variables
+        )
+
+    def _frozen(self):
+        """The ids of the variables of frozen layers (`trainable=False`):
+        a train step does not write them, their seed generators aside."""
+        layers = [
+            layer
+            for layer in compat.layers_of(self.model)
+            if not layer.trainable
+        ]
+        seeds = {
+            id(c)
+            for layer in layers
+            for generator in compat.seed_generators(layer)
+            for c in components(generator.state.value)
+        }
+        return {
+            id(c)
+            for layer in layers
+            for v in layer.non_trainable_variables
+            for c in components(v.value)
+        } - seeds
 
     def _snapshot_function(self, kind, variables):
         buffers = {
@@ -279,10 +285,13 @@ class AutoMicroBatch:
         # of arguments: a fifth less per call.
         return snapshot.get_concrete_function()
 
-    def _roll_back(self, saved, kind):
-        """Puts `_saved()`'s values back; zeroes variables made since."""
+    def _roll_back(self, saved, kind, known=None):
+        """Puts `_saved()`'s values back; zeroes variables made since (not
+        in `known`, the ids of the variables at the time, by default those
+        saved)."""
         variables, values = saved
         saved = {id(c): value for c, value in zip(variables, values)}
+        known = saved if known is None else known
         for c in self._variables(kind, with_buffers=True):
             if id(c) in saved:
                 value = saved[id(c)]
@@ -291,8 +300,19 @@ class AutoMicroBatch:
                 ):
                     continue  # a buffer with no window pending
                 c.assign(value)
-            elif not c.name.startswith("buffer_"):
+            elif id(c) not in known and not c.name.startswith("buffer_"):
                 c.assign(tf.zeros_like(c))
+
+    def _put_back(self, kind, saved):
+        """Puts back the state before a step that failed: from the step's
+        own snapshot if it was taken, otherwise from `saved`."""
+        taken = kind == "train" and self._in_step.used and self._in_step.taken()
+        if taken:
+            saved, known = taken
+            self._roll_back(saved, kind, known)
+        elif saved is not None:
+            self._roll_back(saved, kind)
+        # Otherwise the step failed before its snapshot: it wrote nothing.
 
     def _halved(self, kind, size, shape, error):
         """The size to try after `size` ran out of memory; says so."""
@@ -332,7 +352,7 @@ class AutoMicroBatch:
         scaled = size * elements[0] / elements[1]
         return max(1, min(rows, 2 ** int(math.log2(max(scaled, 1)))))
 
-    def _run(self, kind, data, make_function, saved=None):
+    def _run(self, kind, data, make_function):
         tensors = [
             components(t)[0] for t in keras.tree.flatten(data) if t is not None
         ]
@@ -345,10 +365,15 @@ class AutoMicroBatch:
         state = sizes[signature]
         size = min(state[0], rows)
         while True:
-            if saved is None:
-                saved = self._saved(kind)
+            new = (kind, size) not in self._functions
+            if kind == "train" and new:
+                self._prepare_in_step()
+            # A traced train step snapshots in itself (the first call of a
+            # new function also by a call of its own, in case it does not).
+            in_step = kind == "train" and self._in_step.used
+            saved = None if in_step and not new else self._saved(kind)
             self.memory.reset_peak()
-            if (kind, size) not in self._functions:
+            if new:
                 self._functions[kind, size] = make_function(size)
                 # Its first call may make variables: snapshot them next time.
                 self._forget_snapshot(kind)
@@ -363,8 +388,7 @@ class AutoMicroBatch:
                 parse = "Cannot parse tensor from proto" in str(error.message)
                 if not (parse or isinstance(error, _OOM[0])):
                     raise
-                self._roll_back(saved, kind)
-                saved = None
+                self._put_back(kind, saved)
                 # The failed size's function holds memory (constants).
                 self._functions.pop((kind, size), None)
                 gc.collect()
@@ -372,6 +396,15 @@ class AutoMicroBatch:
                     continue
                 state[1] = size if state[1] is None else min(state[1], size)
                 size = self._halved(kind, size, shape, error)
+        if kind == "train" and self._in_step.used:
+            self._in_step.succeeded()
+            if new and self._in_step.missing(self._variables(kind, True)):
+                # Variables made by its first call, which the copies lack:
+                # the train functions are made again, with new copies.
+                self._functions = {
+                    key: f for key, f in self._functions.items()
+                    if key[0] != "train"
+                }
         if kind == "train":
             self.size = size
         # A batch shorter than the size (and that fitted) says nothing of it.
@@ -420,6 +453,72 @@ class AutoMicroBatch:
         else:
             line += " fit in " + self.memory.describe()
         print(line + ".")
+
+
+class StepSnapshots:
+    """The state a train step may write, copied by the step itself before
+    it writes any of it (the writes wait for the copy).
+
+    Sets of copies are made on the host (one per list of variables), before
+    a new train function is first called; the traced step copies into the
+    set prepared last, then records the set's index and counts one copy
+    more. A step that fails before its copy is complete has written
+    nothing; one that fails after it is put back from its copies."""
+
+    def __init__(self):
+        self._sets = []  # [(variables, their copies, ids of all at the time)]
+        self._done = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._last = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        self._counted = 0  # completed copies, as the host knows them
+        self._prepared = None  # the set that a trace copies into
+        self._traced = None  # the set of the step traced last
+        self.used = False  # whether a traced step copies
+
+    def prepare(self, variables, known):
+        """Makes (or finds) the set of copies of `variables` that the next
+        trace copies into; `known`: every variable of the step now, to tell
+        those made since."""
+        ids = [id(c) for c in variables]
+        for index, (held, _, _) in enumerate(self._sets):
+            if [id(c) for c in held] == ids:
+                self._prepared = index
+                return
+        copies = [
+            tf.Variable(tf.zeros(c.shape, c.dtype), trainable=False)
+            for c in variables
+        ]
+        self._sets.append((variables, copies, {id(c) for c in known}))
+        self._prepared = len(self._sets) - 1
+
+    def take(self):
+        """The copy, traced in the step; the op its writes wait for."""
+        index = self._traced = self._prepared
+        self.used = True
+        variables, copies, _ = self._sets[index]
+        writes = [copy.assign(c.read_value()) for copy, c in zip(copies, variables)]
+        with tf.control_dependencies(writes):
+            last = self._last.assign(index)
+        with tf.control_dependencies([last]):
+            return self._done.assign_add(1)
+
+    def succeeded(self):
+        """Counts the completed copy of a step that succeeded."""
+        self._counted += 1
+
+    def taken(self):
+        """After a step failed: `(saved, known)` for `_roll_back()` if its
+        copy was completed, else `None`."""
+        done = int(self._done.numpy())
+        if done == self._counted:
+            return None
+        self._counted = done
+        variables, copies, known = self._sets[int(self._last.numpy())]
+        return (variables, [c.read_value() for c in copies]), known
+
+    def missing(self, variables):
+        """Whether `variables` holds one made after the last step's trace."""
+        known = set() if self._traced is None else self._sets[self._traced][2]
+        return any(id(c) not in known for c in variables)
 
 
 def out_of_memory_hint(model, error):

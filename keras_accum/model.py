@@ -690,12 +690,17 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         return bool(self._flush_function())
 
     def train_step(self, data):
-        self.input_position.record(data)
-        if not self.gradient_accumulator.accumulates:
-            # N = 1 and no option that needs the window: Keras' own step.
-            return self._step_logs(super().train_step(data))
-        x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
-        return self._step_logs(self._window_step(x, y, sample_weight))
+        auto = self._auto_micro_batch
+        # With "auto", the step first copies what it may write, to put it
+        # back if it runs out of memory; its writes wait for the copy.
+        snapshot = auto.snapshot_in_step() if auto is not None else None
+        with tf.control_dependencies([] if snapshot is None else [snapshot]):
+            self.input_position.record(data)
+            if not self.gradient_accumulator.accumulates:
+                # N = 1 and no option that needs the window: Keras' own step.
+                return self._step_logs(super().train_step(data))
+            x, y, sample_weight = compat.unpack_x_y_sample_weight(data)
+            return self._step_logs(self._window_step(x, y, sample_weight))
 
     def _forward(self, x, y, sample_weight, training=False):
         """One micro-batch's predictions, loss, normaliser and size."""

@@ -1,0 +1,124 @@
+"""`micro_batch_size="auto"`: a step that runs out of memory is put back
+exactly, whatever it wrote before it failed.
+
+A device that holds at most `ROWS` rows is played by a layer that raises
+`ResourceExhaustedError` (as TensorFlow's allocator does) when it sees a
+larger batch in training. It sits after BatchNormalization, Dropout and a
+frozen block, so that a failing step has already moved the moving
+statistics, drawn dropout masks (the seed generator's state) and, from the
+second step of a window on, holds gradients in the buffers. "auto" tries
+the whole batch, fails, halves, and settles on `ROWS`; the reference is the
+same model with `micro_batch_size=ROWS` from the start, which never fails.
+Both must end with the same weights, statistics, optimizer variables and
+logs (float64, <= 1e-12): a write of a failed attempt that was not put back
+would show. The real out-of-memory errors are in tests/test_small_memory.py.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_accum
+
+ROWS = 8
+EXACT = 1e-12
+
+
+class FailAbove(keras.layers.Layer):
+    """Raises `ResourceExhaustedError` in training on a batch of more than
+    `rows` rows (a `MemoryError` in a `py_function` is one); passes its
+    input through otherwise."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+
+        def check(n):
+            if int(n) > self.rows:
+                raise MemoryError(f"{int(n)} rows do not fit ({self.rows} do)")
+            return n
+
+        if tf.executing_eagerly():
+            try:
+                check(tf.shape(x)[0])
+            except MemoryError as error:
+                raise tf.errors.ResourceExhaustedError(None, None, str(error))
+            return x
+        checked = tf.py_function(check, [tf.shape(x)[0]], tf.int32)
+        with tf.control_dependencies([checked]):
+            return tf.identity(x)
+
+
+def net(micro_batch_size, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(16)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.3, seed=3)(x)
+    frozen = keras.Sequential(
+        [keras.layers.Dense(16), keras.layers.BatchNormalization()],
+        name="frozen",
+    )
+    frozen.trainable = False
+    x = frozen(x)
+    x = FailAbove(ROWS, name="fail_above")(x)
+    outputs = keras.layers.Dense(3)(x)
+    model = keras_accum.GradientAccumulationModel(
+        inputs, outputs, gradient_accumulation_steps=2,
+        micro_batch_size=micro_batch_size,
+    )
+    return model
+
+
+def trained(micro_batch_size, run_eagerly, epochs=2):
+    keras.config.set_floatx("float64")
+    try:
+        model = net(micro_batch_size)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            run_eagerly=run_eagerly,
+        )
+        frozen = [w.numpy() for w in model.get_layer("frozen").weights]
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(96, 6))
+        y = rng.integers(0, 3, size=(96,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a CPU without a memory limit
+            history = model.fit(
+                x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0
+            )
+    finally:
+        keras.config.set_floatx("float32")
+    return model, history.history, frozen
+
+
+def state(model):
+    return [v.numpy() for v in model.variables] + [
+        v.numpy() for v in model.optimizer.variables
+    ]
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_failed_attempts_leave_no_trace(run_eagerly):
+    reference, reference_logs, _ = trained(ROWS, run_eagerly)
+    auto, logs, frozen = trained("auto", run_eagerly)
+    # Whole batches of 32 rows, then 16, failed: 8 fit.
+    assert auto.micro_batch_size == ROWS
+    for ours, theirs in zip(state(auto), state(reference), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=EXACT, atol=EXACT)
+    assert set(reference_logs) == set(logs)
+    for key, values in reference_logs.items():
+        np.testing.assert_allclose(logs[key], values, rtol=1e-6)
+    # The frozen block was neither trained nor moved.
+    after = auto.get_layer("frozen").weights
+    for ours, initial in zip(after, frozen, strict=True):
+        np.testing.assert_array_equal(ours.numpy(), initial)
