@@ -8,7 +8,7 @@ batches):
 | side | model |
 | --- | --- |
 | `fixed` | `GradientAccumulationModel(micro_batch_size=B)` |
-| `fixed_again` | a second, identical `fixed` model: the A/A control, whose ratio to `fixed` is the noise band |
+| `fixed_again` | a second `fixed` model: the A/A control (its ratio is the noise) |
 | `auto` | `GradientAccumulationModel(micro_batch_size="auto")` |
 
 "auto" takes each batch out of the iterator on the host (so that a step

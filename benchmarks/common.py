@@ -171,9 +171,11 @@ def conv_net_graph(input_shape=(32, 32, 3), num_classes=10):
     return inputs, outputs
 
 
-def unet_graph(input_shape=(64, 64, 3), num_classes=3, base_filters=16, depth=3):
-    """Standard U-Net: (conv-BN-ReLU)x2 blocks, max-pool down,
-    transposed-conv up, skip concatenations, 1x1 conv to class logits."""
+def unet_graph(input_shape=(64, 64, 3), num_classes=3, base_filters=16, depth=3,
+               downsample="max_pool"):
+    """Standard U-Net: (conv-BN-ReLU)x2 blocks, max-pool down (or, with
+    `downsample="strided"`, a 2x2 convolution of stride 2), transposed-conv
+    up, skip concatenations, 1x1 conv to class logits."""
     L = keras.layers
 
     def block(x, filters):
@@ -189,7 +191,10 @@ def unet_graph(input_shape=(64, 64, 3), num_classes=3, base_filters=16, depth=3)
     for level in range(depth):
         x = block(x, base_filters * 2**level)
         skips.append(x)
-        x = L.MaxPooling2D()(x)
+        if downsample == "strided":
+            x = L.Conv2D(x.shape[-1], 2, strides=2, use_bias=False)(x)
+        else:
+            x = L.MaxPooling2D()(x)
     x = block(x, base_filters * 2**depth)
     for level in reversed(range(depth)):
         filters = base_filters * 2**level

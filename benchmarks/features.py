@@ -14,7 +14,7 @@ rows, on the same data, from the same initial weights:
 | `window_bn` | `window_batch_norm=True`, N=4 | `window_batch_norm=False`, N=4 |
 | `non_finite` | `non_finite_policy="skip_window"`, N=4 | `"propagate"`, N=4 |
 | `mixed_float16` | N=4 under `mixed_float16` | `keras.Model` under `mixed_float16` |
-| `backup` | N=4 + `keras_accum.callbacks.BackupAndRestore` | N=4 + `keras.callbacks.BackupAndRestore` |
+| `backup` | N=4 + our `BackupAndRestore` | N=4 + `keras.callbacks.BackupAndRestore` |
 
 Under `mixed_float16` both models get Keras' `LossScaleOptimizer` from
 `compile()` (ours then resolves `non_finite_policy="auto"` to

@@ -86,7 +86,11 @@ import time
 RESULT_TAG = "REMAT_RESULT "
 LIMIT_TAG = "REMAT_LIMIT_RESULT "
 MIB = 2**20
-MODELS = ("res8", "unet", "gpt2")
+# `unet_strided`: the U-Net with strided convolutions instead of max
+# pooling, a diagnosis of what XLA's CPU max pooling keeps (not in the
+# default list).
+MODELS = ("res8", "unet", "gpt2", "unet_strided")
+DEFAULT_MODELS = ("res8", "unet", "gpt2")
 SEQUENCE_LENGTH = 512
 VOCABULARY = 1000
 
@@ -160,9 +164,12 @@ def model_graph(name, size=None):
 
     if name == "res8":
         return res8_graph()
-    if name == "unet":
+    if name in ("unet", "unet_strided"):
         side = size or 128
-        return common.unet_graph((side, side, 3), base_filters=16, depth=3)
+        return common.unet_graph(
+            (side, side, 3), base_filters=16, depth=3,
+            downsample="strided" if name == "unet_strided" else "max_pool",
+        )
     if name == "gpt2":
         return gpt2_graph()
     raise ValueError(name)
@@ -186,7 +193,7 @@ def model_data(name, batch, num_batches=2, seed=0, size=None):
     if name == "res8":
         x = rng.random((n, 64, 64, 32), dtype=np.float32)
         y = rng.random((n, 2), dtype=np.float32)
-    elif name == "unet":
+    elif name in ("unet", "unet_strided"):
         side = size or 128
         x = rng.random((n, side, side, 3), dtype=np.float32)
         y = rng.integers(0, 3, size=(n, side, side), dtype=np.int32)
@@ -754,6 +761,7 @@ def xla_row(results, model, batch):
 MODEL_TITLES = {
     "res8": "res8 (8 residual blocks, 64x64x32)",
     "unet": "unet (128x128x3, base 16, depth 3)",
+    "unet_strided": "unet_strided (the same, strided convolutions for max pooling)",
     "gpt2": "gpt2 (4 layers, 256 wide, 512 tokens)",
 }
 
@@ -763,7 +771,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="fast sanity run: 2 timed steps, micro-batch 1 "
                              "only")
-    parser.add_argument("--models", default=",".join(MODELS),
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help=f"comma list of {', '.join(MODELS)}")
     parser.add_argument("--batches", default=None,
                         help="comma list of micro-batches (default 1,8; "

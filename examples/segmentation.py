@@ -87,9 +87,10 @@ time, into a matrix of 9 x channels values per pixel, in one piece (432
 MiB at 512x512 for the 48 input channels of the full-resolution decoder's
 first convolution). With the default depth, one image of 512x512 trains
 in about the same limit with or without recomputation (it does fit
-micro-batches of 2 where a plain step fits one). With `--depth 5` (7.9 million weights instead of 0.5 million, and
-two more levels of activations) a plain step runs out of memory even for
-one image in 960 to 1120 MiB, and the recomputed one trains:
+micro-batches of 2 where a plain step fits one). With `--depth 5` (7.9
+million weights instead of 0.5 million, and two more levels of
+activations) a plain step runs out of memory even for one image in 960 to
+1120 MiB, and the recomputed one trains:
 
 ```
 python examples/segmentation.py --image-size 512 --depth 5 --batch-size 2 \
@@ -163,7 +164,6 @@ import sys
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from keras import layers

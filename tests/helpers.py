@@ -133,7 +133,7 @@ def _in_step(ours, micro_batch, steps):
     windows = 2 if steps % 2 == 0 else 1
     ours.gradient_accumulation_steps = windows
     ours.micro_batch_size = micro_batch
-    layer = next(l for l in ours.layers if l.trainable_weights)
+    layer = next(x for x in ours.layers if x.trainable_weights)
     largest = tf.Variable(0, trainable=False)
     seen = tf.Variable(0, trainable=False)
     call, train_step = layer.call, ours.train_step

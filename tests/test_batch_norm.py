@@ -299,7 +299,7 @@ def test_deeper_network_closer_than_builtin_option():
 def test_frozen_layer_is_not_updated(float64, mode, compile_kwargs):
     x, y = _regression_data(40)
     reference, ours = _twins(bn_on_input)
-    bn = next(l for l in ours.layers if "batch_norm" in l.name)
+    bn = next(x for x in ours.layers if "batch_norm" in x.name)
     bn.trainable = False
     before = _moving(ours)
     _fit(ours, x, y, B, compile_kwargs)
@@ -403,8 +403,8 @@ def test_finds_layers_of_a_keras_applications_backbone():
         input_shape=(32, 32, 3), weights=None, include_top=False, alpha=0.35
     )
     bns = [
-        l for l in backbone._flatten_layers()
-        if isinstance(l, keras.layers.BatchNormalization)
+        x for x in backbone._flatten_layers()
+        if isinstance(x, keras.layers.BatchNormalization)
     ]
     inputs = keras.Input((32, 32, 3))
     outputs = keras.layers.GlobalAveragePooling2D()(backbone(inputs))

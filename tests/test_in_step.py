@@ -261,7 +261,7 @@ def test_input_of_unknown_length(source, float64, mode, compile_kwargs):
 def _largest_rows_seen(model):
     """A variable that keeps the most rows the model's first trainable
     layer was called with, in any step."""
-    layer = next(l for l in model.layers if l.trainable_weights)
+    layer = next(x for x in model.layers if x.trainable_weights)
     largest = tf.Variable(0, trainable=False)
     call = layer.call
 
@@ -452,7 +452,11 @@ def test_one_traced_loop_whatever_the_batch(float64):
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "8"])
 def test_invalid_micro_batch_size(value):
-    with pytest.raises(ValueError, match="`micro_batch_size` must be an integer >= 1, 'auto' or None. Received: micro_batch_size="):
+    with pytest.raises(
+        ValueError,
+        match="`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+        "Received: micro_batch_size=",
+    ):
         keras_accum.GradientAccumulationModel(
             *dense_net(), micro_batch_size=value
         )

@@ -114,7 +114,11 @@ def test_saved_steps_win_with_a_warning(tmp_path, float64):
     model = _functional(
         keras_accum.GradientAccumulationModel, gradient_accumulation_steps=2
     )
-    with pytest.warns(UserWarning, match=r"saved with `gradient_accumulation_steps=4`, and this model was built with 2: training goes on with 4"):
+    with pytest.warns(
+        UserWarning,
+        match=r"saved with `gradient_accumulation_steps=4`, and this model was "
+        r"built with 2: training goes on with 4",
+    ):
         model.load_weights(file)
     assert model.gradient_accumulation_steps == 4
     # The pending micro-batch and 5 more: windows of 4 -> 1 update, 2 left.

@@ -249,5 +249,9 @@ def test_setter_rejects_bad_values(value):
 def test_schedule_beyond_the_counter_is_refused_at_construction():
     from keras_accum.callbacks import GradientAccumulationScheduler
 
-    with pytest.raises(ValueError, match=r"from 1 to 2\*\*63 - 1 .*Received: schedule=\{0: 2, 1: 18446744073709551616\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"from 1 to 2\*\*63 - 1 .*Received: "
+        r"schedule=\{0: 2, 1: 18446744073709551616\}",
+    ):
         GradientAccumulationScheduler({0: 2, 1: 2**64})

@@ -134,7 +134,8 @@ def test_auto_trains_the_effective_batch_exactly(
     _assert_history_close(info["history"], history)
     assert info["history"]["updates"] == [4, 8]
     lines = info["stdout"]
-    assert f"Out of memory with micro-batches of {scenarios.E} of the batch of {scenarios.E}" in lines
+    e = scenarios.E
+    assert f"Out of memory with micro-batches of {e} of the batch of {e}" in lines
     assert (
         f"Micro-batches of {info['micro_batch_size']} of the batch of "
         f"{scenarios.E} fit in {LIMIT_MB} MiB (peak "
@@ -305,7 +306,11 @@ def test_auto_without_a_limit_says_so_and_trains_whole_batches(float64):
         scenarios.net(keras_accum.GradientAccumulationModel, micro_batch_size="auto")
     )
     assert model.micro_batch_size == "auto"
-    with pytest.warns(UserWarning, match="this CPU has no memory limit: each batch is trained as one micro-batch"):
+    with pytest.warns(
+        UserWarning,
+        match="this CPU has no memory limit: each batch is trained as one "
+        "micro-batch",
+    ):
         model.fit(x, y, batch_size=scenarios.E, shuffle=False, verbose=0)
     assert model.micro_batch_size == scenarios.E
     reference = scenarios._compile(scenarios.net())
@@ -317,5 +322,9 @@ def test_auto_without_a_limit_says_so_and_trains_whole_batches(float64):
     assert config["micro_batch_size"] == "auto"
     clone = keras_accum.GradientAccumulationModel.from_config(config)
     assert clone.micro_batch_size == "auto"
-    with pytest.raises(ValueError, match="`micro_batch_size` must be an integer >= 1, 'auto' or None. Received: micro_batch_size='max'"):
+    with pytest.raises(
+        ValueError,
+        match="`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+        "Received: micro_batch_size='max'",
+    ):
         keras_accum.GradientAccumulationModel(micro_batch_size="max")
