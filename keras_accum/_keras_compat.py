@@ -564,14 +564,12 @@ def compute_loss(model, x=None, y=None, y_pred=None, sample_weight=None,
                  training=True):
     """The model's `compute_loss()` (compiled losses and regularisers), as
     Keras' steps call it: without `training` where an override does not
-    take it."""
+    take it (`Model._compute_loss()`, the same test)."""
     if "training" in inspect.signature(model.compute_loss).parameters:
         return model.compute_loss(
             x, y, y_pred, sample_weight, training=training
         )
-    return model.compute_loss(
-        x=None, y=y, y_pred=y_pred, sample_weight=sample_weight
-    )
+    return model.compute_loss(x, y, y_pred, sample_weight)
 
 
 def compile_loss(model):

@@ -486,6 +486,24 @@ def test_unchanged_keras_trains():
     assert int(model.optimizer.iterations.numpy()) == 1
 
 
+def test_compute_loss_without_training():
+    """`Model.compute_loss()` (public) is called as Keras' `_compute_loss()`
+    calls it: `x` given, and `training` only where it is taken."""
+    seen = []
+
+    class Model(keras_accum.GradientAccumulationModel):
+        def compute_loss(self, x, y, y_pred, sample_weight, **kwargs):
+            seen.append((x is not None, sorted(kwargs)))
+            return super().compute_loss(x, y, y_pred, sample_weight)
+
+    inputs = keras.Input((3,))
+    model = Model(
+        inputs, keras.layers.Dense(1)(inputs), gradient_accumulation_steps=2
+    )
+    _fit(model)
+    assert seen and all(entry == (True, []) for entry in seen)
+
+
 # No global patch.
 
 
