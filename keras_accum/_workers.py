@@ -190,7 +190,9 @@ class Preemption:
     PreemptionCheckpointHandler` does), publishes the check after its next
     one (no worker can be past it: each step waits for all workers), and
     waits until every worker has acknowledged it; a thread on each worker
-    waits for that key. A check then reads local flags only.
+    waits for that key. A check then reads local flags only. Where the job
+    has no coordination service, each check all-gathers whether a worker
+    saw the signal instead.
     """
 
     def __init__(self):
@@ -201,6 +203,8 @@ class Preemption:
         self._claimed = False
         self._thread = None
         self._prefix = ""
+        self._strategy = None
+        self._gather = False
 
     def install(self, strategy):
         """Handles SIGTERM (main thread only) and, with several workers,
@@ -212,7 +216,11 @@ class Preemption:
         self.sigterm.install()
         self._worker, self._count = workers(strategy)
         self._target, self._claimed = None, False
+        self._strategy = strategy
         if self._count == 1:
+            return
+        self._gather = not _coordination_service()
+        if self._gather:
             return
         # The same `fit()` on every worker: the same prefix.
         self._prefix = f"keras_accum/preemption/{next(_FITS)}/"
@@ -233,6 +241,8 @@ class Preemption:
         that every worker reaches in the same order)."""
         if self._count == 1:
             return self.sigterm.seen
+        if self._gather:
+            return any_worker(self._strategy, self.sigterm.seen)
         if self._target is not None:
             return check >= self._target
         if self.sigterm.seen and not self._claimed:
@@ -251,6 +261,15 @@ class Preemption:
             _set(self._prefix + "check", _STOP)
             self._thread.join(timeout=10)
             self._thread = None
+
+
+def _coordination_service():
+    """Whether this process's job has TensorFlow's coordination service
+    (`MultiWorkerMirroredStrategy` starts it)."""
+    try:
+        return bool(eager_context.context().coordination_service)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _set(key, value):
