@@ -142,11 +142,27 @@ def write(root, epoch, batches, worker, save_weights, position):
     sizes = {}
     with _local_target(backup.file(WEIGHTS)) as local:
         save_weights(local)
+    _sync(backup.file(WEIGHTS))
     sizes[WEIGHTS] = tf.io.gfile.stat(backup.file(WEIGHTS)).length
     manifest = {"format": FORMAT, "files": sizes, "position": position}
     with tf.io.gfile.GFile(backup.file(MANIFEST), "wb") as f:
         f.write(json.dumps(manifest).encode("utf-8"))
+    _sync(backup.file(MANIFEST))
     return backup
+
+
+def _sync(path):
+    """Flushes a local file to disk (the weights before the manifest, so
+    that a manifest never describes data lost in a power cut); other file
+    systems have no such call."""
+    if is_remote(path):
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
