@@ -9,8 +9,12 @@ with `keras_accum.callbacks.BackupAndRestore(save_freq=False)`:
 | --- | --- |
 | `off` | `save_before_preemption=False` |
 | `off_again` | the same again: the A/A control, whose ratio to `off` is the noise band |
-| `on` | `save_before_preemption=True`: SIGTERM is agreed through TensorFlow's coordination service; a batch end reads local flags only |
-| `collective` | `off` plus one all-gather of one number per batch (how the workers agreed before: what `on` no longer pays) |
+| `on` | `save_before_preemption=True`: agreed through the coordination service |
+| `collective` | `off` plus one all-gather of one number per batch (the former way) |
+
+With `on`, SIGTERM is agreed through TensorFlow's coordination service and
+a batch end reads local flags only; `collective` is how the workers agreed
+before, what `on` no longer pays.
 
 No signal arrives: this is the cost on the batches without one.
 

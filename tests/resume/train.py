@@ -4,26 +4,25 @@ Usage: python train.py OUT_FILE BACKUP_DIR [options]
 
 Trains a small float64 model (or mixed precision, `--precision`) with
 BatchNormalization (micro-batches of 8, 3 epochs, Adam) with
-`keras_accum.callbacks.BackupAndRestore`, on arrays (`--data known`) or on a `tf.data` pipeline of unknown length
-(`--data unknown`). `--kill EPOCH:BATCH` has the process kill itself with
-SIGKILL right after that train batch (Keras' count: batches the resumed run
-skips count too), `--kill vEPOCH:BATCH` right after that batch of the
-epoch's validation, `--kill eEPOCH` at that epoch's end, after its
-backup. `--log FILE` appends where the run starts, after the restore (or,
-with no epoch left to train, at the end), as a JSON line `[epoch,
-updates, pending micro-batches]`. A run that ends writes the final
-weights to OUT_FILE (`.npz`) and its last epoch's logs to OUT_FILE with
-`.json` for `.npz`. `--metrics` compiles metrics (`mae`,
-`accuracy`, `mean_iou`: the mean IoU of the signs of output and target).
-`--term EPOCH:BATCH` sends SIGTERM to the process as that train batch
-starts (`--save-before-preemption` has the callback back up and exit with
-its `PREEMPTION_EXIT_CODE`); `--multi-worker` trains under
-`MultiWorkerMirroredStrategy` (one of the workers that `TF_CONFIG` names).
-`--file-url` gives the callback BACKUP_DIR as a `file://` URL. `--trace
-FILE` appends a JSON line at every train batch end (`["batch", epoch,
-batch + 1, steps, updates, pending]`) and epoch end (`["epoch", epoch,
-updates, pending]`). A run that ends also writes the optimizer's variables
-to OUT_FILE with `.optimizer.npz` for `.npz`.
+`keras_accum.callbacks.BackupAndRestore`, on arrays (`--data known`) or on a
+`tf.data` pipeline of unknown length (`--data unknown`). `--kill EPOCH:BATCH`
+has the process kill itself with SIGKILL right after that train batch (Keras'
+count: batches the resumed run skips count too), `--kill vEPOCH:BATCH` right
+after that batch of the epoch's validation, `--kill eEPOCH` at that epoch's
+end, after its backup. `--log FILE` appends where the run starts, after the
+restore (or, with no epoch left to train, at the end), as a JSON line `[epoch,
+updates, pending micro-batches]`. A run that ends writes the final weights to
+OUT_FILE (`.npz`) and its last epoch's logs to OUT_FILE with `.json` for
+`.npz`. `--metrics` compiles metrics (`mae`, `accuracy`, `mean_iou`: the mean
+IoU of the signs of output and target). `--term EPOCH:BATCH` sends SIGTERM to
+the process as that train batch starts (`--save-before-preemption` has the
+callback back up and exit with its `PREEMPTION_EXIT_CODE`); `--multi-worker`
+trains under `MultiWorkerMirroredStrategy` (one of the workers that `TF_CONFIG`
+names). `--file-url` gives the callback BACKUP_DIR as a `file://` URL. `--trace
+FILE` appends a JSON line at every train batch end (`["batch", epoch, batch +
+1, steps, updates, pending]`) and epoch end (`["epoch", epoch, updates,
+pending]`). A run that ends also writes the optimizer's variables to OUT_FILE
+with `.optimizer.npz` for `.npz`.
 """
 
 import argparse
