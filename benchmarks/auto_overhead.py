@@ -43,10 +43,11 @@ import time
 import warnings
 
 import common
-from common import fmt, markdown_table, median
-
 import keras  # after common, which sets TF's logging level first
 import numpy as np
+from common import fmt
+from common import markdown_table
+from common import median
 from features import network_specs
 
 STEPS = {"small_mlp": 256, "conv_bn": 64}

@@ -25,9 +25,9 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(1, _REPO_ROOT)
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
 
 try:  # The package under test; the scripts degrade gracefully without it.
     from keras_accum import GradientAccumulationModel  # noqa: E402

@@ -77,9 +77,10 @@ import time
 import warnings
 
 import common
-from common import fmt, markdown_table, median
-
 import keras  # after common, which sets TF's logging level first
+from common import fmt
+from common import markdown_table
+from common import median
 
 N = 4  # micro-batches per update wherever ours accumulates
 SAVE_FREQ = 8  # batches between backups, both callbacks

@@ -33,11 +33,10 @@ import sys
 import tempfile
 
 import common
-from common import fmt, markdown_table
-
 import tensorflow as tf  # noqa: E402
-
 import throughput  # noqa: E402  (Runner, network_specs)
+from common import fmt
+from common import markdown_table
 
 
 def profile(runner, steps, logdir):

@@ -213,9 +213,8 @@ def model_data(name, batch, num_batches=2, seed=0, size=None):
 def build(name, kind, jit, seed, size=None):
     """kind: "plain" (keras.Model), "off" (GradientAccumulationModel) or
     "remat" (GradientAccumulationModel(remat=True)); compiled."""
-    import keras
-
     import common
+    import keras
 
     keras.utils.set_random_seed(seed)  # the same initial weights everywhere
     inputs, outputs = model_graph(name, size)
@@ -254,10 +253,9 @@ def step_recorder(device, reset=True):
     later step, its logs and a weight read back before the clock stops."""
     import gc
 
+    import common
     import keras
     import tensorflow as tf
-
-    import common
 
     class Recorder(keras.callbacks.Callback):
         def __init__(self):
@@ -292,9 +290,8 @@ def step_recorder(device, reset=True):
 # Child: one configuration
 # --------------------------------------------------------------------------
 def run_child(args):
-    import tensorflow as tf
-
     import common
+    import tensorflow as tf
 
     common.configure_threads(args.intra, args.inter)
     common.enable_memory_growth()
@@ -445,9 +442,8 @@ def run_limit_child(args):
     environment sets: one warm-up and `--limit-timed` timed steps; prints
     whether it trained, the total peak (since the process started) and the
     step times."""
-    import tensorflow as tf
-
     import common
+    import tensorflow as tf
 
     common.configure_threads(args.intra, args.inter)
     device = "CPU:0"

@@ -55,8 +55,9 @@ import sys
 import time
 
 import common
-from common import fmt, markdown_table, median
-
+from common import fmt
+from common import markdown_table
+from common import median
 
 WARMUP_STEPS = 16  # multiple of 16 -> windows start on an accumulation boundary
 OURS_N = (1, 4, 8, 16)

@@ -98,7 +98,8 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import layers, ops
+from keras import layers
+from keras import ops
 
 import keras_accum
 

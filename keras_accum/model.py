@@ -14,11 +14,11 @@ from keras_accum import _saved_window as saved_window
 from keras_accum import loss_normalizer
 from keras_accum import remat as remat_lib
 from keras_accum._auto_micro_batch import AutoMicroBatch
-from keras_accum._input_position import InputPosition
 from keras_accum._fit_hooks import EpochEnd
 from keras_accum._fit_hooks import is_backup
 from keras_accum._fit_hooks import window_train_function
 from keras_accum._fit_hooks import with_window_callbacks
+from keras_accum._input_position import InputPosition
 from keras_accum._tf_utils import xla_placement
 from keras_accum.accumulator import GradientAccumulator
 from keras_accum.accumulator import is_loss_scale_optimizer

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import test_remat  # noqa: E402
 
 import keras_accum  # noqa: E402
-import test_remat  # noqa: E402
 
 
 def mirrored():

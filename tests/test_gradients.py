@@ -5,9 +5,9 @@ import numpy as np
 import tensorflow as tf
 from conftest import RTOL
 from conftest import assert_close_to_reference
+from helpers import buffers
 from helpers import classification_data
 from helpers import fit_side_by_side
-from helpers import buffers
 from helpers import twins
 
 

@@ -33,6 +33,16 @@ from test_batch_norm import bn_on_input
 from test_distribute import mirrored_results
 from test_distribute import start_background_runs
 from test_equivalence import scce
+from test_equivalence import test_ignore_class  # noqa: F401
+from test_equivalence import test_keras_mask_on_predictions  # noqa: F401
+from test_equivalence import test_multi_output_loss_weights_and_regularisers  # noqa: F401
+from test_equivalence import test_one_step_trains_exactly_like_keras_model  # noqa: F401
+from test_equivalence import test_sample_weight  # noqa: F401
+from test_equivalence import test_short_last_micro_batch_and_window  # noqa: F401
+from test_equivalence import test_steps_per_execution_validation_evaluate_predict  # noqa: F401
+from test_equivalence import test_sum_reduction  # noqa: F401
+from test_gradients import test_indexed_slices_from_embedding  # noqa: F401
+from test_gradients import test_none_gradients_for_unused_variables  # noqa: F401
 from test_mixed_precision import MIXED_UPDATE_RTOL
 from test_mixed_precision import _data as mp_data
 from test_mixed_precision import _loss as mp_loss
@@ -40,20 +50,6 @@ from test_mixed_precision import _sgd as mp_sgd
 from test_mixed_precision import conv_net
 
 import keras_accum
-from test_equivalence import test_ignore_class  # noqa: F401
-from test_equivalence import test_keras_mask_on_predictions  # noqa: F401
-from test_equivalence import (  # noqa: F401
-    test_multi_output_loss_weights_and_regularisers,
-)
-from test_equivalence import test_one_step_trains_exactly_like_keras_model  # noqa: F401
-from test_equivalence import test_sample_weight  # noqa: F401
-from test_equivalence import test_short_last_micro_batch_and_window  # noqa: F401
-from test_equivalence import (  # noqa: F401
-    test_steps_per_execution_validation_evaluate_predict,
-)
-from test_equivalence import test_sum_reduction  # noqa: F401
-from test_gradients import test_indexed_slices_from_embedding  # noqa: F401
-from test_gradients import test_none_gradients_for_unused_variables  # noqa: F401
 
 
 @pytest.fixture

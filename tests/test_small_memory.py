@@ -25,7 +25,6 @@ import pytest
 from background import start
 from conftest import record
 from conftest import relative_difference
-
 from small_memory import scenarios
 
 CHILD = os.path.join(os.path.dirname(__file__), "small_memory", "child.py")

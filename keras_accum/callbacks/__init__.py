@@ -1,8 +1,6 @@
 """Callbacks for `GradientAccumulationModel`."""
 
 from keras_accum.callbacks.backup_and_restore import BackupAndRestore
-from keras_accum.callbacks.gradient_accumulation_scheduler import (
-    GradientAccumulationScheduler,
-)
+from keras_accum.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 
 __all__ = ["BackupAndRestore", "GradientAccumulationScheduler"]

@@ -32,11 +32,11 @@ import contextlib  # noqa: E402
 import io  # noqa: E402
 import warnings  # noqa: E402
 
+import example_utils  # noqa: E402
+import forking  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import example_utils  # noqa: E402
-import forking  # noqa: E402
 from small_memory import scenarios  # noqa: E402
 
 
