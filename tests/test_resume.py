@@ -352,9 +352,23 @@ class _AtStart(keras.callbacks.Callback):
 
 def _fit(callbacks):
     """The Dropout model of `resume/train.py` (6 batches an epoch), in this
-    process."""
+    process, started as in a new process (`_start_as_new_process`)."""
+    _start_as_new_process()
     args = train.parse(["-", "-", "--dropout", "--samples", "48"])
     return train.fit(train.build(args), args, callbacks)
+
+
+def _start_as_new_process():
+    """Drops Keras' global state, its global `SeedGenerator` included, as a
+    new process starts without it: each in-process run of `_fit` then draws
+    `GlobalNoise` from the same state, as a killed and restarted process
+    does, on every supported Keras. `keras.utils.set_random_seed` (in
+    `train.build`) drops the global `SeedGenerator` in newer Keras (3.15
+    does), not in Keras 3.11: there a second run in this process would go
+    on from where the first left it, and the backups of `backups` would be
+    those of another run than the uninterrupted one they are compared
+    with."""
+    keras.backend.clear_session(free_memory=False)
 
 
 @pytest.fixture(scope="module")
