@@ -437,7 +437,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             warnings.simplefilter("always")
             self.model.load_weights(path)
         for warning in caught:
-            if "Skipping variable loading" in str(warning.message):
+            if compat.skipped_loading(warning.message):
                 raise ValueError(str(warning.message).strip())
         for w in caught:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
