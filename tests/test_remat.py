@@ -43,6 +43,12 @@ class ResidualBlock(keras.layers.Layer):
             else None,
         )
 
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+        inner = tuple(input_shape[:-1]) + (self.channels,)
+        self.norm.build(inner)
+        self.mix.build(inner)
+
     def call(self, x, training=None):
         h = keras.activations.relu(self.norm(self.conv(x), training=training))
         h = self.dropout(h, training=training)
