@@ -113,10 +113,31 @@ def pytest_configure(config):
     )
 
 
+# The modules whose every test runs in the main job in every mode (the
+# `mode` fixture): the exactness against plain Keras, eagerly, in graph
+# mode and under XLA. Elsewhere the main job runs the graph mode, and the
+# eager and XLA variants run in the second job (marked `slow` here): a
+# feature's logic is the same in the three modes, which test_equivalence.py
+# holds to the big batch each, and XLA's compilation on a CPU is what makes
+# them slow (a third of the main job's time, measured with --durations=0).
+ALL_MODES_IN_MAIN_JOB = {"test_equivalence.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """The tests that read background runs go last: by then the runs
-    started with the first test have ended, and the workers trained other
-    tests meanwhile instead of waiting for them."""
+    """Marks `slow` the eager and XLA variants outside
+    `ALL_MODES_IN_MAIN_JOB` (before `-m` selects); then the tests that read
+    background runs go last: by then the runs started with the first test
+    have ended, and the workers trained other tests meanwhile instead of
+    waiting for them."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (
+            callspec is not None
+            and callspec.params.get("mode") in ("eager", "jit")
+            and item.path.name not in ALL_MODES_IN_MAIN_JOB
+        ):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: bool(item.get_closest_marker("background")))
 
 
