@@ -108,8 +108,9 @@ def state(model):
     ]
 
 
-@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
-def test_failed_attempts_leave_no_trace(run_eagerly):
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_failed_attempts_leave_no_trace(mode):
+    run_eagerly = mode == "eager"
     reference, reference_logs, _ = trained(ROWS, run_eagerly)
     auto, logs, frozen = trained("auto", run_eagerly)
     # Whole batches of 32 rows, then 16, failed: 8 fit.
