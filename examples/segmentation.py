@@ -426,7 +426,7 @@ def try_plain_model(args, num_classes, train_ds, batch, strategy):
     device = utils.memory_device()
     try:
         tf.config.experimental.reset_memory_stats(device)
-        plain.fit(train_ds.unbatch().batch(batch).take(1), verbose=0)
+        plain.fit(train_ds.unbatch().batch(batch).take(1), shuffle=False, verbose=0)
         peak = tf.config.experimental.get_memory_info(device)["peak"]
         result["plain_peak_mib"] = peak / MIB
     except tf.errors.ResourceExhaustedError as error:
