@@ -312,52 +312,38 @@ def check_position(position):
     for key in ("epoch", "batches"):
         if key not in position:
             raise ValueError(f"`{key}` is missing")
-        if type(position[key]) is not int or position[key] < 0:
+    # Each field: its default when absent (`None`: may be null), what it
+    # must be, and the test.
+    fields = {
+        # (present: checked above; not null)
+        "epoch": (0, "be an integer >= 0", lambda v: type(v) is int and v >= 0),
+        "batches": (0, "be an integer >= 0", lambda v: type(v) is int and v >= 0),
+        "seed_generators": (
+            [], "be a list of lists of integers",
+            lambda v: isinstance(v, list) and all(map(ints, v)),
+        ),
+        "metrics": (
+            [], "be a list of numbers or nested lists of numbers",
+            lambda v: isinstance(v, list) and all(map(_numbers, v)),
+        ),
+        "fingerprint": (None, "be a list of 3 numbers", _fingerprint),
+        "worker_fingerprints": (
+            None, "be a list of lists of 3 numbers",
+            lambda v: isinstance(v, list) and all(map(_fingerprint, v)),
+        ),
+        "global_seed_generator": (None, "be a list of integers or null", ints),
+        "logs": (
+            None, "map names to numbers",
+            lambda v: isinstance(v, dict)
+            and all(isinstance(k, str) and _numbers(x) for k, x in v.items()),
+        ),
+    }
+    for key, (default, expected, valid) in fields.items():
+        value = position.get(key, default)
+        if (value is not None or default is not None) and not valid(value):
             raise ValueError(
-                f"`{key}` must be an integer >= 0. Received: "
-                f"{key}={position[key]!r}"
+                f"`{key}` must {expected}. Received: {key}={value!r}"
             )
-    states = position.get("seed_generators", [])
-    if not isinstance(states, list) or not all(map(ints, states)):
-        raise ValueError(
-            "`seed_generators` must be a list of lists of integers. "
-            f"Received: seed_generators={states!r}"
-        )
-    metrics = position.get("metrics", [])
-    if not isinstance(metrics, list) or not all(map(_numbers, metrics)):
-        raise ValueError(
-            "`metrics` must be a list of numbers or nested lists of "
-            f"numbers. Received: metrics={metrics!r}"
-        )
-    fingerprint = position.get("fingerprint")
-    if fingerprint is not None and not _fingerprint(fingerprint):
-        raise ValueError(
-            "`fingerprint` must be a list of 3 numbers. Received: "
-            f"fingerprint={fingerprint!r}"
-        )
-    per_worker = position.get("worker_fingerprints")
-    if per_worker is not None and not (
-        isinstance(per_worker, list) and all(map(_fingerprint, per_worker))
-    ):
-        raise ValueError(
-            "`worker_fingerprints` must be a list of lists of 3 numbers. "
-            f"Received: worker_fingerprints={per_worker!r}"
-        )
-    state = position.get("global_seed_generator")
-    if state is not None and not ints(state):
-        raise ValueError(
-            "`global_seed_generator` must be a list of integers or null. "
-            f"Received: global_seed_generator={state!r}"
-        )
-    logs = position.get("logs")
-    if logs is not None and not (
-        isinstance(logs, dict)
-        and all(isinstance(k, str) and _numbers(v) for k, v in logs.items())
-    ):
-        raise ValueError(
-            "`logs` must map names to numbers. Received: "
-            f"logs={logs!r}"
-        )
     return position
 
 
