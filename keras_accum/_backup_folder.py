@@ -166,21 +166,32 @@ def _sync(path):
 
 
 @contextlib.contextmanager
+def _temporary_file(path):
+    """A path named as `path`, in a local temporary folder removed after."""
+    folder = tempfile.mkdtemp()
+    try:
+        yield os.path.join(folder, os.path.basename(path))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _copy(source, target):
+    """Copies the open file `source` to the open file `target`."""
+    while chunk := source.read(1 << 24):
+        target.write(chunk)
+
+
+@contextlib.contextmanager
 def _local_target(path):
     """A local path to write `path`'s content to: `path` itself if it is
     local, else a temporary file copied to `path` once written."""
     if not is_remote(path):
         yield path
         return
-    folder = tempfile.mkdtemp()
-    try:
-        local = os.path.join(folder, os.path.basename(path))
+    with _temporary_file(path) as local:
         yield local
         with open(local, "rb") as source, tf.io.gfile.GFile(path, "wb") as f:
-            while chunk := source.read(1 << 24):
-                f.write(chunk)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+            _copy(source, f)
 
 
 @contextlib.contextmanager
@@ -190,15 +201,10 @@ def local_copy(path):
     if not is_remote(path):
         yield path
         return
-    folder = tempfile.mkdtemp()
-    try:
-        local = os.path.join(folder, os.path.basename(path))
+    with _temporary_file(path) as local:
         with tf.io.gfile.GFile(path, "rb") as source, open(local, "wb") as f:
-            while chunk := source.read(1 << 24):
-                f.write(chunk)
+            _copy(source, f)
         yield local
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def listing(root):
