@@ -18,14 +18,16 @@ out-of-memory error) before it writes any of it: what this benchmark
 weighs against the fixed size.
 
 **How.** One process. The models are built, compiled and warmed up (two
-`fit()` calls of the timed length), then `--rounds` (15) interleaved
+`fit()` calls of the timed length), then `--rounds` (21) interleaved
 rounds follow: in each, each model runs `fit(..., epochs=1)` of `--steps`
 steps (256 for the small MLP, 64 for the conv net), the order reversed
-every other round. A callback reads the process CPU time at each batch's
-begin and end: a round's figure is the median step (the first two steps
-aside), so that `fit()`'s own set-up does not count. Reported: ms per step
-(median over rounds), and the ratio to `fixed` round by round (median,
-min-max).
+every other round. A callback reads the process CPU time and the wall time
+at each batch's begin and end: a round's figure is the median step (the
+first two steps aside), so that `fit()`'s own set-up does not count.
+Reported, for each clock: ms per step (median over rounds), and the ratio
+to `fixed` round by round (median, min-max). With several threads the CPU
+time also counts threads that wait busily; the wall time counts what
+other processes take.
 
 Two networks (benchmarks/features.py's): `small_mlp` (overhead-bound) and
 `conv_bn` (12 blocks of Conv2D + BatchNormalization, compute-bound), B=32.
@@ -69,22 +71,25 @@ def build(spec, micro_batch_size, weights):
 
 
 class StepTimes(keras.callbacks.Callback):
-    """The process CPU time of each train step."""
+    """The process CPU time and the wall time of each train step."""
 
     def __init__(self):
         super().__init__()
-        self.seconds = []
+        self.seconds = []  # [(CPU, wall)]
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.process_time()
+        self._start = (time.process_time(), time.perf_counter())
 
     def on_train_batch_end(self, batch, logs=None):
-        self.seconds.append(time.process_time() - self._start)
+        cpu, wall = self._start
+        self.seconds.append(
+            (time.process_time() - cpu, time.perf_counter() - wall)
+        )
 
 
 def seconds_per_step(model, data, steps):
     """The median step of one `fit()` of `steps` steps, the first two
-    aside."""
+    aside: `(CPU, wall)` seconds."""
     times = StepTimes()
     if isinstance(data, tuple):  # arrays, `steps` batches of B
         x, y, b = data
@@ -93,7 +98,8 @@ def seconds_per_step(model, data, steps):
     else:
         model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0,
                   shuffle=False, callbacks=[times])
-    return median(times.seconds[2:])
+    kept = times.seconds[2:]
+    return median([c for c, _ in kept]), median([w for _, w in kept])
 
 
 def arrays(spec, b, steps, seed=0):
@@ -128,18 +134,22 @@ def run_network(name, spec, rounds, steps, input_kind):
             times[side].append(seconds_per_step(models[side], data, steps))
     rows = []
     for side, values in times.items():
-        ratios = [v / f for v, f in zip(values, times["fixed"])]
-        rows.append([
-            name, side, fmt(median(values) * 1e3, 3), fmt(median(ratios), 3),
-            f"{min(ratios):.3f}–{max(ratios):.3f}",
-        ])
+        row = [name, side]
+        for clock in (0, 1):  # CPU, wall
+            ratios = [v[clock] / f[clock] for v, f in zip(values, times["fixed"])]
+            row += [
+                fmt(median([v[clock] for v in values]) * 1e3, 3),
+                fmt(median(ratios), 3),
+                f"{min(ratios):.3f}–{max(ratios):.3f}",
+            ]
+        rows.append(row)
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--networks", default="small_mlp,conv_bn")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per fit() call (default: per network)")
     parser.add_argument("--input", choices=["dataset", "arrays"],
@@ -158,8 +168,8 @@ def main():
             args.input,
         )
     print(markdown_table(
-        ["network", "side", "CPU ms/step (median)", "ratio to fixed (median)",
-         "ratio range"], rows,
+        ["network", "side", "CPU ms/step", "CPU ratio", "CPU range",
+         "wall ms/step", "wall ratio", "wall range"], rows,
     ))
 
 
