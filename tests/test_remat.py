@@ -10,6 +10,7 @@ new masks or moved the statistics again would show (the mutation tests at
 the end check that it would).
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -214,6 +215,92 @@ def test_activity_regulariser_inside_a_block(float64):
     plain, _ = _train(make, False, data, gradient_accumulation_steps=2)
     ours, _ = _train(make, True, data, gradient_accumulation_steps=2)
     _assert_same_training(plain, ours)
+
+
+class MaskedBlock(keras.layers.Layer):
+    """A residual Dense and Dropout, plus their mean over the time steps
+    the mask keeps (so that the mask changes every output)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self.dense = keras.layers.Dense(8, activation="tanh")
+        self.dropout = keras.layers.Dropout(0.3)
+
+    def call(self, x, training=None, mask=None):
+        h = self.dropout(self.dense(x), training=training)
+        kept = keras.ops.ones_like(h[..., :1])
+        if mask is not None:
+            kept = keras.ops.expand_dims(keras.ops.cast(mask, h.dtype), -1)
+        mean = keras.ops.sum(h * kept, axis=1, keepdims=True) / (
+            keras.ops.sum(kept, axis=1, keepdims=True)
+        )
+        return x + h + mean
+
+
+class EmbeddingBlock(keras.layers.Layer):
+    """Token ids in: the recomputed function's input is an integer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = keras.layers.Embedding(20, 8)
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, ids):
+        return self.dense(self.embedding(ids))
+
+
+class RecurrentBlock(keras.layers.Layer):
+    """An LSTM (a loop in the recomputed function) and Dropout."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lstm = keras.layers.LSTM(8, return_sequences=True)
+        self.dropout = keras.layers.Dropout(0.2)
+
+    def call(self, x, training=None):
+        return self.dropout(self.lstm(x, training=training),
+                            training=training)
+
+
+def _sequence_net(kind):
+    keras.utils.set_random_seed(0)
+    if kind == "recurrent":
+        inputs = keras.Input((5, 3))
+        x = RecurrentBlock()(RecurrentBlock()(inputs))
+    else:
+        inputs = keras.Input((7,), dtype="int32")
+        if kind == "masked":
+            x = keras.layers.Embedding(20, 8, mask_zero=True)(inputs)
+            x = MaskedBlock()(MaskedBlock()(x))
+        else:
+            x = EmbeddingBlock()(inputs)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+
+@pytest.mark.parametrize("kind", ["masked", "integer_input", "recurrent"])
+def test_sequence_blocks(float64, kind):
+    # A Keras mask into the blocks (padding at the end of each row), token
+    # ids as a block's input, an LSTM inside a block: the blocks are
+    # recomputed, and the update is the one without `remat`.
+    make = functools.partial(_sequence_net, kind)
+    assert remat_lib.plan(make(), True).blocks
+    rng = np.random.RandomState(0)
+    if kind == "recurrent":
+        x = rng.rand(24, 5, 3)
+    else:
+        x = rng.randint(1, 20, size=(24, 7))
+        x[::2, 4:] = 0  # padding: masked in "masked"
+    data = (x, rng.rand(24, 2))
+    fit = dict(sample_weight=np.linspace(0.5, 1.5, 24), validation_split=0.25)
+    plain, plain_history = _train(make, False, data, fit,
+                                  gradient_accumulation_steps=3)
+    ours, history = _train(make, True, data, fit,
+                           gradient_accumulation_steps=3)
+    _assert_same_training(plain, ours)
+    for key, values in plain_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-12)
 
 
 def test_named_layers_and_classes(float64):
