@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 from helpers import classification_data
 from helpers import dense_net
 
@@ -132,3 +133,48 @@ def test_functional_use_of_a_subclass_leaves_the_base_alone():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.ones((4, 3)), np.zeros((4, 2)), batch_size=2, verbose=0)
     assert int(model.optimizer.iterations) == 1
+
+
+def _made(kind):
+    """A model with non-default options, made as `kind` says."""
+    options = dict(gradient_accumulation_steps=3, micro_batch_size=2,
+                   flush_at_epoch_end=False)
+    inputs, outputs = dense_net()
+    if kind == "constructed":
+        return keras_accum.GradientAccumulationModel(inputs, outputs,
+                                                     **options)
+    if kind == "functional":
+        model = keras.Model(inputs, outputs)
+    else:
+        model = keras.Sequential(
+            [keras.Input(inputs.shape[1:])]
+            + [layer for layer in keras.Model(inputs, outputs).layers[1:]]
+        )
+    return keras_accum.GradientAccumulationModel.from_model(model, **options)
+
+
+@pytest.mark.parametrize("kind", ["constructed", "functional", "sequential"])
+def test_a_copy_with_the_same_options(float64, kind):
+    # docs/guide.md, "Limitations": `keras.models.clone_model` keeps none of
+    # the options (Keras builds a copy of a functional subclass from its
+    # inputs and outputs, and of a Sequential as a plain one); the copy
+    # that keeps them is `type(model).from_config(model.get_config())`.
+    keras.utils.set_random_seed(0)
+    model = _made(kind)
+    initial = model.get_weights()
+    cloned = keras.models.clone_model(model)
+    assert getattr(cloned, "gradient_accumulation_steps", 1) == 1
+    assert getattr(cloned, "micro_batch_size", None) is None
+
+    copy = type(model).from_config(model.get_config())
+    assert type(copy) is type(model)
+    assert copy.get_config() == model.get_config()
+    # The copy trains as the model does, from the same weights.
+    copy.set_weights(initial)
+    x, y = classification_data(n=18)
+    for m in (model, copy):
+        m.compile(optimizer=keras.optimizers.Adam(0.05), loss=_loss())
+        m.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+    assert int(copy.optimizer.iterations) == int(model.optimizer.iterations)
+    for a, b in zip(model.get_weights(), copy.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
