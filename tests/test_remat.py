@@ -151,7 +151,16 @@ STEP_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("case", list(STEP_OPTIONS))
+# As elsewhere outside test_equivalence.py (tests/conftest.py,
+# `ALL_MODES_IN_MAIN_JOB`), the eager and XLA cases run in the second job.
+_SECOND_JOB = {"eager", "jit", "in_step_jit"}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.slow) if case in _SECOND_JOB
+    else case
+    for case in STEP_OPTIONS
+])
 def test_residual_blocks_train_as_without_remat(float64, case):
     options, compile_kwargs, fit = STEP_OPTIONS[case]
     data = _data((6, 6, 4), (2,))
@@ -168,7 +177,7 @@ def test_residual_blocks_train_as_without_remat(float64, case):
     assert _moved(residual_net(), ours) > 1e-3  # it trained
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_mixed_float16_within_float_tolerance(jit):
     keras.config.set_dtype_policy("mixed_float16")
     data = tuple(a.astype("float32") for a in _data((6, 6, 4), (2,)))
