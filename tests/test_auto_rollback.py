@@ -3,18 +3,17 @@ exactly, whatever it wrote before it failed.
 
 A device that holds at most `ROWS` rows is played by a layer that raises
 `ResourceExhaustedError` (as TensorFlow's allocator does) when it sees a
-larger batch in training. It sits after BatchNormalization, Dropout and a
-frozen block, so that a failing step has already moved the moving
-statistics and drawn dropout masks (the seed generator's state). "auto"
-tries the whole batch, fails, halves, and settles on `ROWS` (the failures
-come in the first step of a window); the reference is the same model with
-`micro_batch_size=ROWS` from the start, which never fails. Both must end
-with the same weights, statistics, optimizer variables and logs (float64,
-<= 1e-12): a write of a failed attempt that was not put back would show.
-
-A second test fails a step while the gradient buffers hold the window's
-earlier step and the step's own first micro-batch; its reference changes
-its fixed size where "auto" settled. The real out-of-memory errors are in
+larger batch in training, unless told to let it through. It sits after
+BatchNormalization, Dropout and a frozen block, so that a failing step has
+already moved the moving statistics and drawn dropout masks (the seed
+generator's state). "auto" fails in the first micro-batch of a window's
+first step (nothing pending), then in the second micro-batch of the
+window's second step (the buffers hold the first step and the step's own
+first micro-batch), and halves each time. The reference is the same model
+with a fixed size that never fails, changed where "auto" settled. Both
+must end with the same weights, statistics, optimizer variables and logs
+(float64, <= 1e-12): a write of a failed attempt that was not put back
+would show. The real out-of-memory errors are in
 tests/test_small_memory.py.
 """
 
@@ -36,13 +35,14 @@ class FailAbove(keras.layers.Layer):
     `rows` rows (a `MemoryError` in a `py_function` is one); passes its
     input through otherwise.
 
-    `passes` ({rows: times}) lets a larger batch through that many times
-    first. `seen` records each training call as `(rows, passed)`."""
+    `outcomes`: whether each batch of more than `rows` rows, in turn, is
+    let through; the ones after fail. `seen` records each training call as
+    `(rows, passed)`."""
 
-    def __init__(self, rows, passes=None, **kwargs):
+    def __init__(self, rows, outcomes=(), **kwargs):
         super().__init__(**kwargs)
         self.rows = rows
-        self.passes = dict(passes or {})
+        self.outcomes = list(outcomes)
         self.seen = []
 
     def call(self, x, training=None):
@@ -51,9 +51,9 @@ class FailAbove(keras.layers.Layer):
 
         def check(n):
             n = int(n)
-            fits = n <= self.rows or self.passes.get(n, 0) > 0
-            if n > self.rows and fits:
-                self.passes[n] -= 1
+            fits = n <= self.rows or bool(
+                self.outcomes and self.outcomes.pop(0)
+            )
             self.seen.append((n, fits))
             if not fits:
                 raise MemoryError(f"{n} rows do not fit ({self.rows} do)")
@@ -70,7 +70,7 @@ class FailAbove(keras.layers.Layer):
             return tf.identity(x)
 
 
-def net(micro_batch_size, seed=0, passes=None):
+def net(micro_batch_size, outcomes, seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((6,))
     x = keras.layers.Dense(16)(inputs)
@@ -82,7 +82,7 @@ def net(micro_batch_size, seed=0, passes=None):
     )
     frozen.trainable = False
     x = frozen(x)
-    x = FailAbove(ROWS, passes, name="fail_above")(x)
+    x = FailAbove(ROWS, outcomes, name="fail_above")(x)
     outputs = keras.layers.Dense(3)(x)
     model = keras_accum.GradientAccumulationModel(
         inputs, outputs, gradient_accumulation_steps=2,
@@ -91,11 +91,10 @@ def net(micro_batch_size, seed=0, passes=None):
     return model
 
 
-def trained(micro_batch_size, run_eagerly, epochs=1, passes=None,
-            callbacks=(), steps=2):
+def trained(micro_batch_size, run_eagerly, outcomes, callbacks=(), steps=4):
     keras.config.set_floatx("float64")
     try:
-        model = net(micro_batch_size, passes=passes)
+        model = net(micro_batch_size, outcomes)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -109,7 +108,7 @@ def trained(micro_batch_size, run_eagerly, epochs=1, passes=None,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a CPU without a memory limit
             history = model.fit(
-                x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+                x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                 callbacks=list(callbacks),
             )
     finally:
@@ -121,24 +120,6 @@ def state(model):
     return [v.numpy() for v in model.variables] + [
         v.numpy() for v in model.optimizer.variables
     ]
-
-
-@pytest.mark.parametrize("mode", ["graph", "eager"])
-def test_failed_attempts_leave_no_trace(mode):
-    run_eagerly = mode == "eager"
-    reference, reference_logs, _ = trained(ROWS, run_eagerly)
-    auto, logs, frozen = trained("auto", run_eagerly)
-    # Whole batches of 32 rows, then 16, failed: 8 fit.
-    assert auto.micro_batch_size == ROWS
-    for ours, theirs in zip(state(auto), state(reference), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=EXACT, atol=EXACT)
-    assert set(reference_logs) == set(logs)
-    for key, values in reference_logs.items():
-        np.testing.assert_allclose(logs[key], values, rtol=1e-6)
-    # The frozen block was neither trained nor moved.
-    after = auto.get_layer("frozen").weights
-    for ours, initial in zip(after, frozen, strict=True):
-        np.testing.assert_array_equal(ours.numpy(), initial)
 
 
 class SizeAfterFirstStep(keras.callbacks.Callback):
@@ -155,29 +136,33 @@ class SizeAfterFirstStep(keras.callbacks.Callback):
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
-def test_a_step_failing_with_gradients_pending_is_put_back(mode):
-    # Batches of 32 rows, windows of 2 steps. 32 rows pass once and 16 rows
-    # once: step 1 trains as one micro-batch of 32; step 2 fails at 32
-    # (the buffers hold step 1), then at 16 in its second micro-batch (the
-    # buffers hold step 1 and its own first micro-batch), then trains at 8,
-    # and so do steps 3 and 4.
+def test_failed_attempts_leave_no_trace(mode):
+    # 4 batches of 32 rows, windows of 2 steps. Step 1 fails as one
+    # micro-batch of 32 (nothing pending), then trains as two of 16. Step 2
+    # fails in its second micro-batch of 16 (the buffers hold step 1 and
+    # its first micro-batch), then trains at 8, and so do steps 3 and 4.
     run_eagerly = mode == "eager"
-    auto, logs, _ = trained(
-        "auto", run_eagerly, passes={32: 1, 16: 1}, steps=4
+    auto, logs, frozen = trained(
+        "auto", run_eagerly, outcomes=[False, True, True, True, False]
     )
-    layer = auto.get_layer("fail_above")
-    assert layer.seen[:4] == [(32, True), (32, False), (16, True), (16, False)]
-    assert layer.seen[4:] == [(8, True)] * 12
-    # The reference: 32 for step 1, then 8, never failing.
+    assert auto.get_layer("fail_above").seen == [
+        (32, False), (16, True), (16, True), (16, True), (16, False)
+    ] + [(8, True)] * 12
+    assert auto.micro_batch_size == ROWS
+    # The reference: 16 for step 1, then 8, never failing.
     reference, reference_logs, _ = trained(
-        32, run_eagerly, passes={32: 4}, steps=4,
+        16, run_eagerly, outcomes=[True, True],
         callbacks=[SizeAfterFirstStep(ROWS)],
     )
-    assert [n for n, _ in reference.get_layer("fail_above").seen] == (
-        [32] + [8] * 12
+    assert reference.get_layer("fail_above").seen == (
+        [(16, True)] * 2 + [(8, True)] * 12
     )
     for ours, theirs in zip(state(auto), state(reference), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=EXACT, atol=EXACT)
     assert set(reference_logs) == set(logs)
     for key, values in reference_logs.items():
         np.testing.assert_allclose(logs[key], values, rtol=1e-6)
+    # The frozen block was neither trained nor moved.
+    after = auto.get_layer("frozen").weights
+    for ours, initial in zip(after, frozen, strict=True):
+        np.testing.assert_array_equal(ours.numpy(), initial)
