@@ -4,6 +4,9 @@ Configurations, side by side, each in its own fresh child process (this
 script re-executes itself with ``--child``):
 
   * models: ``res8`` (8 residual blocks, each a custom ``keras.layers.Layer``
+    (``res8_subclassed``: the same blocks as attributes of a
+    ``keras.Model`` subclass that ``fit()`` builds, converted with
+    ``from_model()``),
     holding Conv2D(32, 3) + BatchNormalization + ReLU + Conv2D(32, 3) +
     Dropout(0.1), output x + h, on 64x64x32 inputs, then
     GlobalAveragePooling2D + Dense(2), mse), ``unet``
@@ -89,7 +92,7 @@ MIB = 2**20
 # `unet_strided`: the U-Net with strided convolutions instead of max
 # pooling, a diagnosis of what XLA's CPU max pooling keeps (not in the
 # default list).
-MODELS = ("res8", "unet", "gpt2", "unet_strided")
+MODELS = ("res8", "unet", "gpt2", "unet_strided", "res8_subclassed")
 DEFAULT_MODELS = ("res8", "unet", "gpt2")
 SEQUENCE_LENGTH = 512
 VOCABULARY = 1000
@@ -98,7 +101,7 @@ VOCABULARY = 1000
 # --------------------------------------------------------------------------
 # Models (built in the child, after TensorFlow starts)
 # --------------------------------------------------------------------------
-def res8_graph(blocks=8, side=64, channels=32):
+def residual_block_class():
     import keras
 
     L = keras.layers
@@ -133,13 +136,45 @@ def res8_graph(blocks=8, side=64, channels=32):
         def compute_output_shape(self, input_shape):
             return input_shape
 
+    return ResidualBlock
+
+
+def res8_graph(blocks=8, side=64, channels=32):
+    import keras
+
+    ResidualBlock = residual_block_class()
     inputs = keras.Input((side, side, channels), name="features")
     x = inputs
     for i in range(blocks):
         x = ResidualBlock(channels, name=f"res_block_{i}")(x)
-    x = L.GlobalAveragePooling2D()(x)
-    outputs = L.Dense(2, name="head")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(2, name="head")(x)
     return inputs, outputs
+
+
+def res8_subclassed(blocks=8, channels=32):
+    """`res8` as a `keras.Model` subclass, its blocks attributes, built by
+    `fit()` in its first step (the model is not built before)."""
+    import keras
+
+    ResidualBlock = residual_block_class()
+
+    class Res8(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.blocks = [
+                ResidualBlock(channels, name=f"res_block_{i}")
+                for i in range(blocks)
+            ]
+            self.pool = keras.layers.GlobalAveragePooling2D()
+            self.head = keras.layers.Dense(2, name="head")
+
+        def call(self, x, training=None):
+            for block in self.blocks:
+                x = block(x, training=training)
+            return self.head(self.pool(x))
+
+    return Res8(name="res8_subclassed")
 
 
 def gpt2_graph():
@@ -178,7 +213,7 @@ def model_graph(name, size=None):
 def model_loss(name):
     import keras
 
-    if name == "res8":
+    if name.startswith("res8"):
         return "mse"
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -190,7 +225,7 @@ def model_data(name, batch, num_batches=2, seed=0, size=None):
 
     rng = np.random.default_rng(seed)
     n = batch * num_batches
-    if name == "res8":
+    if name.startswith("res8"):
         x = rng.random((n, 64, 64, 32), dtype=np.float32)
         y = rng.random((n, 2), dtype=np.float32)
     elif name in ("unet", "unet_strided"):
@@ -217,6 +252,18 @@ def build(name, kind, jit, seed, size=None):
     import keras
 
     keras.utils.set_random_seed(seed)  # the same initial weights everywhere
+    if name == "res8_subclassed":
+        model = res8_subclassed()
+        if kind != "plain":
+            model = common.GradientAccumulationModel.from_model(
+                model, gradient_accumulation_steps=1, remat=(kind == "remat")
+            )
+        model.compile(
+            optimizer=keras.optimizers.SGD(
+                learning_rate=common.LEARNING_RATE, momentum=common.MOMENTUM),
+            loss=model_loss(name), jit_compile=jit,
+        )
+        return model
     inputs, outputs = model_graph(name, size)
     if kind == "plain":
         model = keras.Model(inputs, outputs)
@@ -301,15 +348,16 @@ def run_child(args):
               "device": device}
     t0 = time.perf_counter()
     model = build(args.model, args.kind, args.jit, args.seed)
-    n_params, _ = common.trainable_param_bytes(model)
-    record["trainable_params"] = n_params
-    if args.kind == "remat":
-        record["recomputed"] = remat_plan(model)
     data = model_data(args.model, args.batch, seed=args.seed)
     recorder = step_recorder(device)
     record["build_seconds"] = time.perf_counter() - t0
     model.fit(data, steps_per_epoch=1 + args.steps, epochs=1, verbose=0,
               shuffle=False, callbacks=[recorder])
+    # After `fit()`: a subclassed model is built by it.
+    n_params, _ = common.trainable_param_bytes(model)
+    record["trainable_params"] = n_params
+    if args.kind == "remat":
+        record["recomputed"] = remat_plan(model)
     info = tf.config.experimental.get_memory_info(device)
     record.update(
         baseline=recorder.baseline, peak=info["peak"],
@@ -431,6 +479,7 @@ def limit_title(args):
     model = {
         "unet": f"U-Net {args.size}x{args.size}x3, base 16, depth 3",
         "res8": MODEL_TITLES["res8"],
+        "res8_subclassed": MODEL_TITLES["res8_subclassed"],
         "gpt2": MODEL_TITLES["gpt2"],
     }[args.limit_model]
     mode = "XLA" if args.limit_mode == "xla" else "graph mode"
@@ -756,6 +805,8 @@ def xla_row(results, model, batch):
 
 MODEL_TITLES = {
     "res8": "res8 (8 residual blocks, 64x64x32)",
+    "res8_subclassed": "res8_subclassed (res8 as a keras.Model subclass, "
+                       "built by fit())",
     "unet": "unet (128x128x3, base 16, depth 3)",
     "unet_strided": "unet_strided (the same, strided convolutions for max pooling)",
     "gpt2": "gpt2 (4 layers, 256 wide, 512 tokens)",

@@ -126,6 +126,7 @@ class AutoMicroBatch:
         self.verbose = 0
         self.size = None
         self._checked = False
+        self._updates_begun = None  # see `_update_counter()`
         self.reset()
 
     def reset(self):
@@ -186,11 +187,47 @@ class AutoMicroBatch:
             optimizer = model.optimizer
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 variables += [optimizer.dynamic_scale, optimizer.step_counter]
+            variables.append(self._update_counter())
         return [
             c
             for v in variables
             for c in components(v.value if isinstance(v, keras.Variable) else v)
         ]
+
+    def _update_counter(self):
+        """The count of window updates begun, copied with the rest: a step
+        that fails once it moved may have written part of an update, which
+        no put-back undoes (the weights and the optimizer's variables are
+        not copied: that would double their memory)."""
+        if self._updates_begun is None:
+            with self.model.distribute_strategy.scope():
+                self._updates_begun = tf.Variable(
+                    0, dtype=tf.int64, trainable=False,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+            self.model.gradient_accumulator.add_update_begin_listener(
+                lambda strategy: self._updates_begun.assign_add(1)
+            )
+        return self._updates_begun
+
+    def _check_no_update_begun(self, saved, size, error):
+        """Raises if the failed step had begun to apply an update."""
+        variables, values = saved
+        counters = {id(c) for c in components(self._update_counter())}
+        for c, value in zip(variables, values):
+            if id(c) in counters and int(c.numpy()) != int(value.numpy()):
+                raise tf.errors.ResourceExhaustedError(
+                    None,
+                    None,
+                    "Out of memory after the optimizer began to apply the "
+                    f"window's update, with micro-batches of {size}: some "
+                    "weights and optimizer variables may hold the update and "
+                    "others not, so the step cannot be put back and run "
+                    "again exactly, and was not. Resume from the last backup "
+                    "(`keras_accum.callbacks.BackupAndRestore`) with more "
+                    "memory, or with a fixed `micro_batch_size` that fits. "
+                    f"The error was: {error.message}",
+                ) from error
 
     def _saved(self, kind):
         """The values to put back if the step of `kind` fails: one traced
@@ -286,9 +323,9 @@ class AutoMicroBatch:
         return snapshot.get_concrete_function()
 
     def _roll_back(self, saved, kind, known=None):
-        """Puts `_saved()`'s values back; zeroes variables made since (not
-        in `known`, the ids of the variables at the time, by default those
-        saved)."""
+        """Puts `_saved()`'s values back; puts variables made since (not in
+        `known`, the ids of the variables at the time, by default those
+        saved) back to the values they were made with."""
         variables, values = saved
         saved = {id(c): value for c, value in zip(variables, values)}
         known = saved if known is None else known
@@ -301,18 +338,24 @@ class AutoMicroBatch:
                     continue  # a buffer with no window pending
                 c.assign(value)
             elif id(c) not in known and not c.name.startswith("buffer_"):
-                c.assign(tf.zeros_like(c))
+                c.assign(_initial_value(c))
 
-    def _put_back(self, kind, saved):
+    def _put_back(self, kind, saved, size, error):
         """Puts back the state before a step that failed: from the step's
-        own snapshot if it was taken, otherwise from `saved`."""
+        own snapshot if it was taken, otherwise from `saved`.
+
+        Raises:
+            ResourceExhaustedError: if the step had begun an update.
+        """
         taken = kind == "train" and self._in_step.used and self._in_step.taken()
+        known = None
         if taken:
             saved, known = taken
-            self._roll_back(saved, kind, known)
-        elif saved is not None:
-            self._roll_back(saved, kind)
-        # Otherwise the step failed before its snapshot: it wrote nothing.
+        elif saved is None:
+            return  # the step failed before its snapshot: it wrote nothing
+        if kind == "train":
+            self._check_no_update_begun(saved, size, error)
+        self._roll_back(saved, kind, known)
 
     def _halved(self, kind, size, shape, error):
         """The size to try after `size` ran out of memory; says so."""
@@ -388,7 +431,7 @@ class AutoMicroBatch:
                 parse = "Cannot parse tensor from proto" in str(error.message)
                 if not (parse or isinstance(error, _OOM[0])):
                     raise
-                self._put_back(kind, saved)
+                self._put_back(kind, saved, size, error)
                 # The failed size's function holds memory (constants).
                 self._functions.pop((kind, size), None)
                 gc.collect()
@@ -453,6 +496,18 @@ class AutoMicroBatch:
         else:
             line += " fit in " + self.memory.describe()
         print(line + ".")
+
+
+def _initial_value(variable):
+    """The value `variable` was made with (zeros where TensorFlow kept
+    none)."""
+    try:
+        value = variable.initial_value
+    except (AttributeError, RuntimeError, NotImplementedError):
+        value = None
+    if value is None or not tf.is_tensor(value):
+        return tf.zeros_like(variable)
+    return value
 
 
 class StepSnapshots:

@@ -136,6 +136,12 @@ _USES = (
         "moving_mean moving_variance assign",
     ),
     (
+        "StatelessScope.add_update",
+        "how `Variable.assign()` writes in a stateless scope",
+        lambda: keras.Variable.assign,
+        "add_update",
+    ),
+    (
         "Functional._run_through_graph",
         "called by `Functional.call()`",
         lambda: functional_module.Functional.call,
@@ -361,6 +367,12 @@ def flat_losses(compile_loss):
 def with_loss(entry, loss):
     """A `CompileLoss` entry (`CompileLoss.Loss`) with another `loss`."""
     return entry._replace(loss=loss)
+
+
+def all_built(model):
+    """Whether every layer of `model` is built (Keras' own test before its
+    symbolic build)."""
+    return all(layer.built for layer in layers_of(model))
 
 
 def layers_of(model):
@@ -630,6 +642,12 @@ def replay_epochs(epoch_iterator, epochs):
 class TrainerHooks:
     """Overrides of private `keras.Model` methods; mixed in before it."""
 
+    def build_before_tracing(self):
+        """Whether `fit()` and `evaluate()` build the model (and its
+        optimizer) from the first batch's shapes before the first step is
+        traced, as Keras does under a strategy."""
+        return False
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # `fit()`, `evaluate()` and `predict()` call it first (`fit()` with
         # its epoch iterator): the internals read are checked here.
@@ -637,9 +655,15 @@ class TrainerHooks:
         if iterator is not None and "input_position" in vars(self):
             check_epoch_iterator(iterator)
             self.input_position.capture(iterator)
+        # Without a strategy Keras builds the model in its first traced
+        # step; what `build_before_tracing()` says needs it built before.
+        first = self._distribute_strategy is None and self.build_before_tracing()
+        if first and iterator is None:
+            with self.distribute_strategy.scope():
+                return self._symbolic_build(data_batch=data_batch)
         # Keras averages a distributed batch over the replicas only to
         # learn its shapes, which fails under `MultiWorkerMirroredStrategy`.
-        if self._distribute_strategy is None or iterator is None:
+        if not first and (self._distribute_strategy is None or iterator is None):
             return super()._maybe_symbolic_build(iterator, data_batch)
         strategy = self.distribute_strategy
         with strategy.scope():
@@ -725,6 +749,17 @@ def entered_call_state(state):
     finally:
         global_state.set_global_attribute(_AUTOCAST_SCOPE, previous[0])
         global_state.set_global_attribute(_CALL_CONTEXT, previous[1])
+
+
+def stored_value(variable):
+    """`variable.value` outside any autocast scope: the backend's variable
+    in its own dtype, not a cast of it."""
+    previous = global_state.get_global_attribute(_AUTOCAST_SCOPE)
+    global_state.set_global_attribute(_AUTOCAST_SCOPE, None)
+    try:
+        return variable.value
+    finally:
+        global_state.set_global_attribute(_AUTOCAST_SCOPE, previous)
 
 
 def direct_layers(layer):

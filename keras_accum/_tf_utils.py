@@ -166,3 +166,70 @@ def stop_recording():
     from tensorflow.python.eager import record
 
     return record.stop_recording()
+
+
+# Stateful operations that a recomputation may run again: they read state
+# (or only check or print) and change nothing that a second run would see.
+_REPLAYABLE = frozenset({
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "Assert", "Print", "PrintV2", "NoOp",
+})
+
+
+def operations_since(graph, count):
+    """The operations added to `graph` after its first `count`."""
+    return graph.get_operations()[count:]
+
+
+def unreplayable_operations(operations, graph):
+    """The stateful operations of `operations` (and of the functions they
+    call: conditionals, loops) that do more than read state: a variable
+    written other than through `keras.Variable.assign`, a stateful random
+    draw, a Python function. Returns `[(type, name)]`."""
+    from tensorflow.python.framework import op_def_registry
+
+    found, seen = [], set()
+
+    def stateful(kind):
+        definition = op_def_registry.get(kind)
+        return definition is None or definition.is_stateful
+
+    def functions(attributes):
+        for value in attributes.values():
+            if value.HasField("func"):
+                yield value.func.name
+            elif value.HasField("list"):
+                yield from (f.name for f in value.list.func)
+
+    def visit(kind, name, attributes):
+        called = list(functions(attributes))
+        if op_def_registry.get(kind) is None:
+            called.append(kind)  # a function called as an operation
+        elif not called and stateful(kind) and kind not in _REPLAYABLE:
+            found.append((kind, name))
+        for function in called:
+            if function in seen:
+                continue
+            seen.add(function)
+            definition = _function(graph, function)
+            if definition is None:
+                found.append((kind, name))
+                continue
+            for node in definition.definition.node_def:
+                visit(node.op, f"{name}/{node.name}", node.attr)
+
+    for operation in operations:
+        node = operation.node_def
+        visit(node.op, node.name, node.attr)
+    return found
+
+
+def _function(graph, name):
+    """The function `name` as the graph being built (or one it is nested
+    in) holds it, or `None`."""
+    while graph is not None:
+        found = graph._get_function(name)
+        if found is not None:
+            return found
+        graph = getattr(graph, "outer_graph", None)
+    return None

@@ -118,6 +118,7 @@ class GradientAccumulator(tf.Module):
         self.window = WindowState(self._steps)
         self._accumulates = self._steps > 1
         object.__setattr__(self, "_listeners", [])
+        object.__setattr__(self, "_update_begins", [])
 
     @property
     def built(self):
@@ -171,6 +172,12 @@ class GradientAccumulator(tf.Module):
         end, in cross-replica context, and `listener.reset()` after it, on
         every replica."""
         self._listeners.append(listener)
+
+    def add_update_begin_listener(self, listener):
+        """Calls `listener(strategy)` in cross-replica context right before
+        the optimizer writes a window's update; the update waits for the op
+        it returns."""
+        self._update_begins.append(listener)
 
     def build(self, variables):
         """Creates the window's variables for `variables`, once."""
@@ -346,11 +353,14 @@ class GradientAccumulator(tf.Module):
         steps, added, normalizer = window.totals(strategy)
 
         def apply():
-            strategy.extended.call_for_each_replica(
-                lambda: target.apply(
-                    window.gradients(normalizer, several), variables
-                )
-            )
+            begun = [listener(strategy) for listener in self._update_begins]
+
+            def update():
+                # Everything the optimizer does (weight decay first) waits.
+                with tf.control_dependencies(begun):
+                    target.apply(window.gradients(normalizer, several), variables)
+
+            strategy.extended.call_for_each_replica(update)
             if lso:
                 compat.grow_loss_scale(optimizer)
             return tf.constant(True)

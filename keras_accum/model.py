@@ -572,6 +572,10 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         _check_in_step_sync(self)
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            # Keras' own step divides each replica's loss by that replica's
+            # normaliser: across replicas N = 1 takes the window's exact one.
+            self.gradient_accumulator.accumulates = True
         self._remat.check(self)
         self._remat.forget()
         self._build_window_state()
@@ -653,6 +657,16 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
                 if self.built and self.trainable_variables:
                     optimizer.build(self.trainable_variables)
 
+    def build_before_tracing(self):
+        # Recomputation plans its blocks on a built model; "auto" copies the
+        # variables before its first attempt, which must not make any; the
+        # window's BatchNormalization statistics are made for the layers
+        # there are (a layer made in the first step would get them in the
+        # step's second trace, where TensorFlow makes no variable).
+        return self.gradient_accumulator.accumulates and not compat.all_built(
+            self
+        )
+
     def fit(self, x=None, *args, callbacks=None, **kwargs):
         callbacks = with_window_callbacks(self, callbacks, x, kwargs)
         # With our `BackupAndRestore`, the train step records its input.
@@ -706,6 +720,10 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         """One micro-batch's predictions, loss, normaliser and size."""
         batch_size = tf.shape(_first_tensor(x))[0]
         if training:
+            if self._remat.enabled and not compat.all_built(self):
+                # Traced before `fit()` built it (a step called directly):
+                # built here, so that the plan sees its blocks.
+                self._output_spec(x, training=True)
             with self._batch_norm_statistics.record(self), self._remat.active(
                 self
             ):
@@ -772,11 +790,12 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
         zero = tf.zeros((), tf.float64)
         compiled = compat.compile_loss(self)
         if compiled is not None and not compiled.built:
-            # Builds the compiled loss (and its trackers) symbolically.
+            # Builds the compiled loss (and its trackers) symbolically, on
+            # the outputs of the step's kind (a layer such as `RandomCrop`
+            # may shape them otherwise in training).
             x, y, sample_weight = data
-            loss_normalizer.install(
-                self, x, y, self._output_spec(x), sample_weight
-            )
+            spec = self._output_spec(x, training=kind == "train")
+            loss_normalizer.install(self, x, y, spec, sample_weight)
         trackers = compat.loss_trackers(self)
         loss_weights = compat.loss_weights(self) if trackers else []
         # Put back after the micro-batches, which each update them.
@@ -875,10 +894,11 @@ class GradientAccumulationModel(compat.TrainerHooks, keras.Model):
             logs = self.get_metrics_result()
         return _multi_worker_logs(self.distribute_strategy, logs)
 
-    def _output_spec(self, x):
-        """The model's output spec for `x`, traced symbolically."""
+    def _output_spec(self, x, training=False):
+        """The model's output spec for `x`, traced symbolically (nothing is
+        written)."""
         return compat.compute_output_spec(
-            functools.partial(compat.call_model, self, training=False),
+            functools.partial(compat.call_model, self, training=training),
             compat.symbolic(x),
         )
 

@@ -11,14 +11,19 @@ import functools
 import math
 import threading
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
 
 from keras_accum import _keras_compat as compat
+from keras_accum._tf_utils import components
+from keras_accum._tf_utils import current_graph
 from keras_accum._tf_utils import in_xla_context
+from keras_accum._tf_utils import operations_since
 from keras_accum._tf_utils import optimization_barrier
 from keras_accum._tf_utils import stop_recording
+from keras_accum._tf_utils import unreplayable_operations
 
 # A functional graph is cut into segments if it has at least this many
 # layer calls (fewer: nothing worth recomputing).
@@ -315,7 +320,7 @@ class Rematerialization:
         """The model's `Plan` (warns once if it recomputes nothing)."""
         spec = True if self.spec == "auto" else self.spec
         found = plan(model, spec)
-        if found.empty and not self._warned:
+        if found.empty and not self._warned and compat.all_built(model):
             self._warned = True
             warnings.warn(
                 f"`remat={self.spec!r}`: the model {model.name!r} has nothing "
@@ -328,8 +333,9 @@ class Rematerialization:
         return found
 
     def check(self, model):
-        """Raises for a name not in `model` (at `compile()` or `fit()`)."""
-        if self.spec is not False:
+        """Raises for a name not in `model` (at `compile()` or `fit()`; a
+        model not built yet is checked when its plan is made)."""
+        if self.spec is not False and compat.all_built(model):
             plan(model, True if self.spec == "auto" else self.spec)
 
     @contextlib.contextmanager
@@ -341,7 +347,9 @@ class Rematerialization:
             return
         found = self._plans.get(id(model))
         if found is None:
-            found = self._plans[id(model)] = self.plan(model)
+            found = self.plan(model)
+            if compat.all_built(model):  # not an unbuilt model's plan
+                self._plans[id(model)] = found
         with self._patches.installed(found):
             yield
 
@@ -363,7 +371,7 @@ def _recomputed_call(layer, call, *args, **kwargs):
         a, k = _filled(structure, flat, inputs)
         return call(*a, **k)
 
-    return recompute(run, flat, compat.layers_of(layer))
+    return recompute(run, flat, compat.layers_of(layer), unit=layer)
 
 
 def _filled(structure, flat, inputs):
@@ -398,7 +406,7 @@ def _segmented_run(functional, segments, keras_run, inputs,
                     local[id(x)] = y
             return [local[i] for i in segment.output_ids]
 
-        outputs = recompute(run, given, _segment_layers(segment))
+        outputs = recompute(run, given, _segment_layers(segment), unit=segment)
         tensors.update(zip(segment.output_ids, outputs))
     return keras.tree.pack_sequence_as(
         compat.outputs_structure(functional),
@@ -410,32 +418,139 @@ def _segment_layers(segment):
     return [sub for layer in segment.layers() for sub in compat.layers_of(layer)]
 
 
-def recompute(run, flat_inputs, layers):
+class _HeldWrites(keras.StatelessScope):
+    """The forward pass's scope: `keras.Variable.assign` is held back (and
+    read back within the scope), and the variables written are listed, in
+    the order of their first write."""
+
+    def __init__(self):
+        super().__init__(collect_losses=False)
+        self.written = {}  # id -> variable
+
+    def add_update(self, update):
+        variable, _ = update
+        self.written.setdefault(id(variable), variable)
+        super().add_update(update)
+
+    def apply(self):
+        """Writes what the scope held back (after it is exited)."""
+        for variable in self.written.values():
+            variable.assign(self.get_current_value(variable))
+
+
+class _Replay(keras.StatelessScope):
+    """The recomputation's scope: every variable reads as it did in the
+    forward pass, and nothing is written. A trainable variable that the
+    forward pass wrote (`SpectralNormalization`'s kernel) reads as a tensor
+    the tape watches, replaced on each write, as Keras' gradient of a
+    variable sums over its reads and none flows through an assignment."""
+
+    def __init__(self, read, tape):
+        self._tape = tape
+        self.watched = []  # [(variable, tensor)]
+        super().__init__(
+            state_mapping=[(v, self._watch(v, value)) for v, value in read],
+            collect_losses=False,
+        )
+
+    def _watch(self, variable, value):
+        if not (variable.trainable and value.dtype.is_floating):
+            return value
+        value = tf.stop_gradient(value)
+        self._tape.watch(value)
+        self.watched.append((variable, value))
+        return value
+
+    def add_update(self, update):
+        variable, value = update
+        super().add_update((variable, self._watch(variable, value)))
+
+
+class UnreplayableLayerError(ValueError):
+    """A recomputed layer whose forward pass a second run cannot repeat."""
+
+
+def _refuse(unit, found):
+    if isinstance(unit, keras.layers.Layer):
+        what = f"the layer {unit.name!r} ({type(unit).__name__})"
+        names = [unit.name]
+    else:
+        names = [layer.name for layer in unit.layers()]
+        what = f"the graph segment of layers {names}"
+    kind, name = found[0]
+    return UnreplayableLayerError(
+        f"`remat` cannot recompute {what} exactly: its forward pass runs "
+        f"the stateful operation {kind} ({name!r}), which a second run in "
+        "the backward pass would not repeat (a variable written other than "
+        "with `keras.Variable.assign`, a random draw not from a "
+        "`keras.random.SeedGenerator`, or a Python function). Leave it out: "
+        "pass `remat=` a list of the layer names or classes to recompute "
+        f"without {names}, or `remat=False`. Received: remat=True"
+    )
+
+
+# Units whose forward pass was checked while executing eagerly.
+_CHECKED = weakref.WeakKeyDictionary()
+
+
+def _check_eagerly(unit, run, values, layers):
+    """Traces `run` once in a graph of its own and checks its operations
+    (executing eagerly, the forward pass leaves none to check)."""
+    if unit in _CHECKED:
+        return
+    with tf.__internal__.FuncGraph("remat_check").as_default() as graph:
+        placeholders = [
+            tf.compat.v1.placeholder(v.dtype, v.shape) for v in values
+        ]
+        with _HeldWrites(), _losses_recorded(layers, []):
+            run(*placeholders)
+        found = unreplayable_operations(graph.get_operations(), graph)
+    if found:
+        raise _refuse(unit, found)
+    _CHECKED[unit] = True
+
+
+def _kept_variables(layers):
+    """The variables a recomputation reads as the forward pass read them,
+    besides those it wrote: the layers' non-trainable ones (statistics,
+    seeds, states), which another layer may write before the backward
+    pass."""
+    kept = {}
+    for layer in layers:
+        for variable in layer.non_trainable_variables:
+            kept.setdefault(id(variable), variable)
+    return kept
+
+
+def recompute(run, flat_inputs, layers, unit=None):
     """`run(*differentiable inputs)`, its activations not kept but
     recomputed in the backward pass.
 
-    The recomputation sees the forward pass's seed generator values (the
-    same `Dropout` masks), writes no variable (no second BatchNormalization
-    update) and records the losses `layers` add (`add_loss`, activity
-    regularisers) as outputs, so that their gradients flow.
+    The recomputation reads every variable that the forward pass wrote, and
+    every non-trainable variable of `layers`, as the forward pass read it
+    (the same `Dropout` masks, BatchNormalization renorm statistics,
+    `SpectralNormalization` weights), writes no variable (no second
+    BatchNormalization update), and records the losses `layers` add
+    (`add_loss`, activity regularisers) as outputs, so that their gradients
+    flow.
 
     Args:
         run: a function of the differentiable (floating) tensors of
             `flat_inputs`, in order, returning a structure of tensors.
         flat_inputs: the flat inputs; the others are used as they are.
         layers: every layer `run` may call.
+        unit: the block (a layer) or `Segment` that `run` runs, named in
+            the error of a forward pass that cannot be replayed.
 
     Returns:
         `run`'s outputs.
+
+    Raises:
+        UnreplayableLayerError: where the forward pass runs a stateful
+            operation that a second run would not repeat.
     """
     inputs = [v for v in flat_inputs if _differentiable(v)]
-    generators = {id(g): g for layer in layers
-                  for g in compat.seed_generators(layer)}
-    global_generator = compat.global_seed_generator()
-    if global_generator is not None:
-        generators[id(global_generator)] = global_generator
-    # The seeds the forward pass draws from, read before it runs.
-    seeds = [(g.state, tf.identity(g.state.value)) for g in generators.values()]
+    kept = _kept_variables(layers)
     state = compat.call_state()
     masks = [compat.get_keras_mask(x) for x in inputs]
     structure = {}
@@ -447,10 +562,30 @@ def recompute(run, flat_inputs, layers):
         structure["outputs"] = outputs
         return keras.tree.flatten(outputs), added
 
+    if tf.executing_eagerly() and unit is not None:
+        _check_eagerly(unit, run, inputs, layers)
+
     @tf.custom_gradient
-    def unit(*values):
+    def unit_call(*values):
+        graph = current_graph()
+        count = 0 if graph is None else len(graph.get_operations())
         with stop_recording():
-            outputs, losses = run_recording_losses(*values)
+            with _HeldWrites() as held:
+                outputs, losses = run_recording_losses(*values)
+            if graph is not None and unit is not None:
+                found = unreplayable_operations(
+                    operations_since(graph, count), graph
+                )
+                if found:
+                    raise _refuse(unit, found)
+            # Read before the held-back writes: the values the forward pass
+            # read (a variable it did not write may be written later on).
+            variables = {**kept, **held.written}
+            read = [
+                (v, tf.identity(compat.stored_value(v)))
+                for v in variables.values()
+            ]
+            held.apply()
         count = len(outputs)
         out_masks = [compat.get_keras_mask(o) for o in outputs]
         structure["masks"] = out_masks
@@ -466,28 +601,33 @@ def recompute(run, flat_inputs, layers):
                 for x, mask in zip(again_inputs, masks):
                     if mask is not None:
                         compat.set_keras_mask(x, mask)
-                with compat.entered_call_state(state), keras.StatelessScope(
-                    state_mapping=seeds, collect_losses=False
-                ):
+                replay = _Replay(read, tape)
+                with compat.entered_call_state(state), replay:
                     again, again_losses = run_recording_losses(*again_inputs)
             again = again[:count] + [loss for _, loss in again_losses]
             pairs = [
                 (a, u) for a, u in zip(again, upstream)
                 if u is not None and tf.is_tensor(a) and a.dtype.is_floating
             ]
+            watched = [value for _, value in replay.watched]
             grads = tape.gradient(
                 [a for a, _ in pairs],
-                list(again_inputs) + variables,
+                list(again_inputs) + variables + watched,
                 output_gradients=[u for _, u in pairs],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
+            input_grads = grads[: len(values)]
+            variable_grads = _with_watched(
+                variables, grads[len(values): len(values) + len(variables)],
+                replay.watched, grads[len(values) + len(variables):],
+            )
             if not variables:
-                return grads
-            return grads[: len(values)], grads[len(values):]
+                return input_grads
+            return input_grads, variable_grads
 
         return results, gradient
 
-    results = unit(*inputs)
+    results = unit_call(*inputs)
     outputs = list(results[: len(structure["masks"])])
     for output, mask in zip(outputs, structure["masks"]):
         if mask is not None:
@@ -495,6 +635,24 @@ def recompute(run, flat_inputs, layers):
     for layer, loss in zip(structure["losses"], results[len(outputs):]):
         layer.add_loss(loss)
     return keras.tree.pack_sequence_as(structure["outputs"], outputs)
+
+
+def _with_watched(variables, grads, watched, watched_grads):
+    """The gradients of `variables` (TensorFlow's), with those of the
+    tensors that stood for written Keras variables in the recomputation
+    added to their variable's."""
+    grads = list(grads)
+    for (variable, _), grad in zip(watched, watched_grads):
+        backing = compat.stored_value(variable)
+        for index, candidate in enumerate(variables):
+            if candidate is backing or any(
+                candidate is part for part in components(backing)
+            ):
+                grads[index] = tf.convert_to_tensor(grads[index]) + tf.cast(
+                    grad, grads[index].dtype
+                )
+                break
+    return grads
 
 
 def _after(values, upstream):

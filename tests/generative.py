@@ -8,7 +8,9 @@ i.e. of unknown length, a Python generator), the strategy (one device, or
 `MirroredStrategy` on 2 logical CPUs), N, the batch and sample counts
 (whole windows or not), the epochs, `flush_at_epoch_end`, the loss (mean,
 sum, `sample_weight` with either reduction, `ignore_class`, a Keras mask),
-the optimizer and `steps_per_execution`. `cases()` draws a point of that
+the optimizer, `steps_per_execution`, the layers recomputed (`remat`) and
+how ours is written (functional, `Sequential` with or without an `Input`,
+subclassed, built before `fit()` or not). `cases()` draws a point of that
 space as a JSON-able dict; `run_case()` trains ours on it and the
 reference, and returns what `check()` asserts.
 
@@ -48,6 +50,13 @@ LOSSES = (
     "ignore_class", "masking",
 )
 OPTIMIZERS = ("sgd", "adam")
+# How ours is written: functional, `Sequential` with or without an `Input`,
+# a `keras.Model` subclass built before `fit()` or by it (all converted by
+# `from_model()`); the reference is always functional.
+STYLES = (
+    "functional", "sequential", "sequential_no_input", "subclassed",
+    "subclassed_built",
+)
 STRATEGIES = ("one_device", "mirrored")
 
 # float64 claims exactness (docs/semantics.md: <= 1e-9 relative).
@@ -77,21 +86,15 @@ def excluded(case):
         # `steps_per_epoch` (measured on Keras 3.15: 4 updates for
         # `steps_per_epoch=1`, 2 epochs, `steps_per_execution=2`).
         return "steps_per_epoch not a multiple of steps_per_execution"
-    if mirrored and case["mode"] == "across" and case["steps"] == 1 and (
-        case["loss"] != "mean"
-        or any((s.stop - s.start) % 2 for s in batches(case))
-    ):
-        # N = 1 across steps is Keras' own train step, which under
-        # MirroredStrategy averages the replicas' own means: the big
-        # batch's update only when both replicas' normalisers are equal
-        # (measured on Keras 3.15: a batch of 1 on 2 replicas moves the
-        # weights half as far as on one device).
-        return "N=1 across steps under MirroredStrategy, uneven replicas"
     unknown_length = case["input"] == "filtered" or (
         case["input"] == "generator" and case["epochs"] == 1
     )
-    if case["mode"] == "across" and case["steps"] == 1 and unknown_length:
-        # N = 1 across steps is Keras' own train step: on input of unknown
+    if (
+        not mirrored and case["mode"] == "across" and case["steps"] == 1
+        and unknown_length
+    ):
+        # N = 1 across steps on one device is Keras' own train step (across
+        # replicas it takes the window's normalisation): on input of unknown
         # length Keras counts the epoch's extra train call in
         # `optimizer.iterations`, which across epochs also changes Adam's
         # update (docs/semantics.md, "Inputs of unknown length").
@@ -137,6 +140,7 @@ def cases(draw, strategy=st.sampled_from(STRATEGIES)):
         # Recomputation of one or both layers in the backward pass (the
         # names of `remat=`, comma-separated; a case is hashable).
         remat=draw(st.sampled_from(["", "hidden", "hidden,logits"])),
+        style=draw(st.sampled_from(STYLES)),
     )
     assume(excluded(case) is None)
     return case
@@ -192,6 +196,58 @@ def build(case, cls, **kwargs):
     h = keras.layers.Dense(4, activation="tanh", name="hidden")(h)
     outputs = keras.layers.Dense(CLASSES, name="logits")(h)
     return cls(inputs, outputs, **kwargs)
+
+
+class PerTimeStep(keras.Model):
+    """`build()`'s layers as a `keras.Model` subclass."""
+
+    def __init__(self, masking, initial, **kwargs):
+        super().__init__(**kwargs)
+        self.masking = keras.layers.Masking(0.0) if masking else None
+        self.hidden, self.logits = _dense_layers(initial)
+
+    def call(self, x):
+        if self.masking is not None:
+            x = self.masking(x)
+        return self.logits(self.hidden(x))
+
+
+def _dense_layers(initial):
+    """`build()`'s two Dense layers, made with the weights `initial`."""
+
+    def made_with(index):
+        return dict(
+            kernel_initializer=keras.initializers.Constant(initial[index]),
+            bias_initializer=keras.initializers.Constant(initial[index + 1]),
+        )
+
+    return (
+        keras.layers.Dense(4, activation="tanh", name="hidden",
+                           **made_with(0)),
+        keras.layers.Dense(CLASSES, name="logits", **made_with(2)),
+    )
+
+
+def build_styled(case, initial, **kwargs):
+    """Ours, written as `case["style"]`, with the weights `initial` (a
+    model built by `fit()` is made with them)."""
+    style = case.get("style", "functional")
+    if style == "functional":
+        ours = build(case, keras_accum.GradientAccumulationModel, **kwargs)
+        ours.set_weights(initial)
+        return ours
+    masking = case["loss"] == "masking"
+    if style.startswith("subclassed"):
+        model = PerTimeStep(masking, initial)
+        if style == "subclassed_built":
+            model(np.zeros((1, TIMESTEPS, FEATURES)))
+    else:
+        layers = [keras.layers.Masking(0.0)] if masking else []
+        layers += list(_dense_layers(initial))
+        if style == "sequential":
+            layers.insert(0, keras.Input((TIMESTEPS, FEATURES)))
+        model = keras.Sequential(layers)
+    return keras_accum.GradientAccumulationModel.from_model(model, **kwargs)
 
 
 def loss(case):
@@ -266,14 +322,13 @@ def train_ours(case, x, y, w, initial, strategy=None):
     weights and `optimizer.iterations`."""
     scope = strategy.scope() if strategy else contextlib.nullcontext()
     with scope:
-        ours = build(
-            case, keras_accum.GradientAccumulationModel,
+        ours = build_styled(
+            case, initial,
             gradient_accumulation_steps=case["steps"],
             micro_batch_size=case["micro_batch_size"],
             flush_at_epoch_end=case["flush_at_epoch_end"],
             remat=case["remat"].split(",") if case.get("remat") else False,
         )
-        ours.set_weights(initial)
         ours.compile(
             optimizer=optimizer(case), loss=loss(case),
             steps_per_execution=case["steps_per_execution"],

@@ -27,34 +27,60 @@ import test_remat  # noqa: E402
 
 import keras_accum  # noqa: E402
 
+# The models `mirrored()` trains: residual blocks, a block that writes
+# state in its forward pass, and a subclassed model built by `fit()`.
+MIRRORED_MODELS = {
+    "residual": (test_remat.residual_net, (6, 6, 4)),
+    "spectral_normalization": (
+        lambda: test_remat._writers_net(
+            test_remat.WRITERS["spectral_normalization"]
+        ),
+        (5,),
+    ),
+    "subclassed_unbuilt": (
+        lambda: test_remat.styled_net("subclassed",
+                                      gradient_accumulation_steps=1),
+        (6, 6, 4),
+    ),
+}
+
 
 def mirrored():
-    """Two replicas: with and without `remat`, the same weights."""
+    """Two replicas: with and without `remat`, the same weights; a line
+    `NAME moved M difference D` per model of `MIRRORED_MODELS`."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
-    data = test_remat._data((6, 6, 4), (2,))
-    models = []
-    for remat in (False, True):
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        with strategy.scope():
-            model = keras_accum.GradientAccumulationModel.from_model(
-                test_remat.residual_net(), gradient_accumulation_steps=3,
-                remat=remat,
-            )
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        keras.utils.set_random_seed(7)
-        model.fit(*data, batch_size=4, epochs=2, shuffle=False, verbose=0)
-        models.append(model)
-    difference = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(models[0].weights, models[1].weights)
-    )
-    moved = test_remat._moved(test_remat.residual_net(), models[1])
-    print(f"moved {moved:.3e} difference {difference:.3e}")
+    # One strategy for all: a new one's collectives can take the instance
+    # keys of an earlier one's, of other shapes.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    for name, (make, shape) in MIRRORED_MODELS.items():
+        data = test_remat._data(shape, (2,))
+        models = []
+        for remat in (False, True):
+            with strategy.scope():
+                model = make()
+                if not isinstance(model, keras_accum.GradientAccumulationModel):
+                    model = keras_accum.GradientAccumulationModel.from_model(
+                        model, gradient_accumulation_steps=3
+                    )
+                model.gradient_accumulation_steps = 3
+                model.remat = remat
+                model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            keras.utils.set_random_seed(7)
+            model.fit(*data, batch_size=4, epochs=2, shuffle=False, verbose=0)
+            models.append(model)
+        difference = max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(models[0].weights, models[1].weights)
+        )
+        initial = make()
+        initial(np.zeros((1,) + shape))
+        moved = test_remat._moved(initial, models[1])
+        print(f"{name} moved {moved:.3e} difference {difference:.3e}")
 
 
 class SequenceBlock(keras.layers.Layer):

@@ -70,50 +70,100 @@ class FailAbove(keras.layers.Layer):
             return tf.identity(x)
 
 
-def net(micro_batch_size, outcomes, seed=0):
+class CountingLayer(keras.layers.Layer):
+    """Assigns a variable in `call()` (a count of its training calls) and
+    reads it back."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="ones",
+                                     trainable=False, name="calls")
+
+    def call(self, x, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+        return x * (1.0 + 0.1 * self.calls)
+
+
+# Layers with state that a training step writes, before the failing layer:
+# a put-back that missed it would show.
+STATEFUL = {
+    "batch_norm": lambda: keras.layers.BatchNormalization(),
+    "renorm": lambda: keras.layers.BatchNormalization(renorm=True),
+    "spectral_normalization": lambda: keras.layers.SpectralNormalization(
+        keras.layers.Dense(16)
+    ),
+    "gaussian_noise": lambda: keras.layers.GaussianNoise(0.3, seed=5),
+    "assigns_in_call": CountingLayer,
+}
+
+
+def net(micro_batch_size, outcomes, seed=0, stateful="batch_norm",
+        style="functional"):
+    """Dense, a stateful layer, Dropout, a frozen block, `FailAbove` and
+    the head; a functional model, or a `Sequential` without an `Input`
+    (built by `fit()` from the first batch)."""
     keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6,))
-    x = keras.layers.Dense(16)(inputs)
-    x = keras.layers.BatchNormalization()(x)
-    x = keras.layers.Dropout(0.3, seed=3)(x)
     frozen = keras.Sequential(
         [keras.layers.Dense(16), keras.layers.BatchNormalization()],
         name="frozen",
     )
     frozen.trainable = False
-    x = frozen(x)
-    x = FailAbove(ROWS, outcomes, name="fail_above")(x)
-    outputs = keras.layers.Dense(3)(x)
-    model = keras_accum.GradientAccumulationModel(
-        inputs, outputs, gradient_accumulation_steps=2,
-        micro_batch_size=micro_batch_size,
-    )
-    return model
+    layers = [
+        keras.layers.Dense(16), STATEFUL[stateful](),
+        keras.layers.Dropout(0.3, seed=3), frozen,
+        FailAbove(ROWS, outcomes, name="fail_above"), keras.layers.Dense(3),
+    ]
+    options = dict(gradient_accumulation_steps=2,
+                   micro_batch_size=micro_batch_size)
+    if style == "sequential_no_input":
+        return keras_accum.GradientAccumulationModel.from_model(
+            keras.Sequential(layers), **options
+        )
+    inputs = keras.Input((6,))
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    return keras_accum.GradientAccumulationModel(inputs, x, **options)
 
 
-def trained(micro_batch_size, run_eagerly, outcomes, callbacks=(), steps=4):
-    keras.config.set_floatx("float64")
+def trained(micro_batch_size, run_eagerly, outcomes, callbacks=(), steps=4,
+            precision="float64", **kind):
+    keras.config.set_dtype_policy(precision)
+    if precision == "float64":
+        keras.config.set_floatx("float64")
     try:
-        model = net(micro_batch_size, outcomes)
+        model = net(micro_batch_size, outcomes, **kind)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
             run_eagerly=run_eagerly,
         )
-        frozen = [w.numpy() for w in model.get_layer("frozen").weights]
         rng = np.random.default_rng(0)
         x = rng.normal(size=(32 * steps, 6))
         y = rng.integers(0, 3, size=(32 * steps,))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a CPU without a memory limit
+            frozen = None
             history = model.fit(
                 x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
-                callbacks=list(callbacks),
+                callbacks=list(callbacks) + [_FrozenAtStart()],
             )
     finally:
         keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
+    frozen = model.frozen_at_start
     return model, history.history, frozen
+
+
+class _FrozenAtStart(keras.callbacks.Callback):
+    """Keeps the frozen block's weights as `fit()` begins (the model may
+    be built by `fit()`)."""
+
+    def on_train_begin(self, logs=None):
+        self.model.frozen_at_start = [
+            w.numpy() for w in self.model.get_layer("frozen").weights
+        ]
 
 
 def state(model):
@@ -135,15 +185,37 @@ class SizeAfterFirstStep(keras.callbacks.Callback):
             self.model.micro_batch_size = self.size
 
 
-@pytest.mark.parametrize("mode", ["graph", "eager"])
-def test_failed_attempts_leave_no_trace(mode):
+CASES = {
+    # (run_eagerly, stateful layer, how the model is written, precision)
+    "graph": (False, "batch_norm", "functional", "float64"),
+    "eager": (True, "batch_norm", "functional", "float64"),
+    "built_by_fit": (False, "batch_norm", "sequential_no_input", "float64"),
+    "built_by_fit_mixed_float16": (
+        False, "batch_norm", "sequential_no_input", "mixed_float16"
+    ),
+    **{
+        stateful: (False, stateful, "functional", "float64")
+        for stateful in STATEFUL if stateful != "batch_norm"
+    },
+}
+# The main job runs graph mode and a model built by `fit()`; the second the
+# rest.
+_MAIN_JOB = {"graph", "built_by_fit"}
+
+
+@pytest.mark.parametrize("case", [
+    case if case in _MAIN_JOB else pytest.param(case, marks=pytest.mark.slow)
+    for case in CASES
+])
+def test_failed_attempts_leave_no_trace(case):
     # 4 batches of 32 rows, windows of 2 steps. Step 1 fails as one
     # micro-batch of 32 (nothing pending), then trains as two of 16. Step 2
     # fails in its second micro-batch of 16 (the buffers hold step 1 and
     # its first micro-batch), then trains at 8, and so do steps 3 and 4.
-    run_eagerly = mode == "eager"
+    run_eagerly, stateful, style, precision = CASES[case]
+    kind = dict(stateful=stateful, style=style, precision=precision)
     auto, logs, frozen = trained(
-        "auto", run_eagerly, outcomes=[False, True, True, True, False]
+        "auto", run_eagerly, outcomes=[False, True, True, True, False], **kind
     )
     assert auto.get_layer("fail_above").seen == [
         (32, False), (16, True), (16, True), (16, True), (16, False)
@@ -152,13 +224,15 @@ def test_failed_attempts_leave_no_trace(mode):
     # The reference: 16 for step 1, then 8, never failing.
     reference, reference_logs, _ = trained(
         16, run_eagerly, outcomes=[True, True],
-        callbacks=[SizeAfterFirstStep(ROWS)],
+        callbacks=[SizeAfterFirstStep(ROWS)], **kind
     )
     assert reference.get_layer("fail_above").seen == (
         [(16, True)] * 2 + [(8, True)] * 12
     )
+    tolerance = EXACT if precision == "float64" else 1e-6
     for ours, theirs in zip(state(auto), state(reference), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=EXACT, atol=EXACT)
+        np.testing.assert_allclose(ours, theirs, rtol=tolerance,
+                                   atol=tolerance)
     assert set(reference_logs) == set(logs)
     for key, values in reference_logs.items():
         np.testing.assert_allclose(logs[key], values, rtol=1e-6)
@@ -166,3 +240,47 @@ def test_failed_attempts_leave_no_trace(mode):
     after = auto.get_layer("frozen").weights
     for ours, initial in zip(after, frozen, strict=True):
         np.testing.assert_array_equal(ours.numpy(), initial)
+
+
+class FailingUpdate(keras.optimizers.SGD):
+    """SGD whose first update runs out of memory after it has written the
+    weights (a `MemoryError` in a `py_function`, after `apply()`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failures = [True]
+
+    def apply(self, grads, trainable_variables=None):
+        result = super().apply(grads, trainable_variables)
+
+        def check():
+            if self.failures and self.failures.pop(0):
+                raise MemoryError("the update does not fit")
+            return 0
+
+        tf.py_function(check, [], tf.int32)
+        return result
+
+
+def test_out_of_memory_in_the_update_is_not_retried():
+    # A step that failed once the optimizer began to write cannot be put
+    # back (the weights and the optimizer's variables are not copied): it
+    # raises, saying so, instead of applying the update a second time.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(8)(inputs))
+    model = keras_accum.GradientAccumulationModel(
+        inputs, outputs, gradient_accumulation_steps=2,
+        micro_batch_size="auto",
+    )
+    model.compile(optimizer=FailingUpdate(0.1), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 6)), rng.normal(size=(64, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CPU without a memory limit
+        with pytest.raises(tf.errors.ResourceExhaustedError) as error:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    message = error.value.message
+    assert "began to apply the window's update" in message, message
+    assert "BackupAndRestore" in message and "does not fit" in message
+    assert model.optimizer.failures == []  # failed once, not run again

@@ -58,6 +58,10 @@ UNKNOWN_LENGTH_CASES = {
     "masked:unknown,in_step": 4,
     "masked:generator": 4,
 }
+# N = 1 across replicas: a masked mean whose replicas hold different counts
+# of labels (Keras' own step would divide each by its own), and the
+# windowed BatchNormalization statistics.
+N1_CASES = ["masked:n1", "batchnorm:n1"]
 # The cases of the process under `MirroredStrategy`, one after the other:
 # the saved window (`distributed/save_worker.py`) first, then the changing-N
 # case (`masked:schedule`) after `CASES`, then those of tests/test_in_step.py
@@ -65,6 +69,7 @@ UNKNOWN_LENGTH_CASES = {
 MIRRORED_RUN = (
     ["save"] + CASES + ["masked:schedule", "masked:in_step",
                         "batchnorm:in_step"] + list(UNKNOWN_LENGTH_CASES)
+    + N1_CASES
 )
 
 
@@ -109,7 +114,9 @@ def _per_update(case):
     return PER_UPDATE + (BN_PER_UPDATE if case == "batchnorm" else 0)
 
 
-def _check(result, case):
+def _check_update(result, case):
+    """The update, its count and the moving statistics against the big
+    batch's."""
     assert result["replicas"] == 2
     # The masked case is a masked mean (`ignore_class`).
     rtol = masked_mean_rtol(1e-9) if case == "masked" else 1e-9
@@ -123,6 +130,10 @@ def _check(result, case):
         # Three layers' moving mean and variance, all compared.
         assert result["moving_statistics"] == 6
         assert result["moving_statistics_difference"] <= 1e-9, result
+
+
+def _check(result, case):
+    _check_update(result, case)
     if _log_reductions(result) == 0:
         # One call reduces all gradients at once (plus the scalars' call,
         # and the two calls of the BatchNormalization statistics).
@@ -155,6 +166,17 @@ def test_mirrored_strategy(tmp_path_factory):
     for case in CASES:
         _check_mirrored(results[case], case)
     _check_changing_steps(results["masked:schedule"])
+    for spec in N1_CASES:
+        # An update, and its reductions, on every step (over Keras' own for
+        # the synchronized BatchNormalization layer).
+        case = spec.partition(":")[0]
+        result = results[spec]
+        _check_update(result, case)
+        assert result["iterations"] == 2 * 8
+        base = 3 if case == "batchnorm" else 0
+        assert result["reductions_per_step"] == (
+            [[True, base + _per_update(case)]] * result["iterations"]
+        ), (spec, result["reductions_per_step"])
 
 
 def _check_mirrored(result, case):

@@ -312,6 +312,295 @@ def test_sequence_blocks(float64, kind):
         np.testing.assert_allclose(history.history[key], values, rtol=1e-12)
 
 
+# How a model is written. Each style holds three `CountedBlock`s, then
+# the pooling and the head, and gets the same initial weights from the seed;
+# "unbuilt" styles are first built by `fit()` itself.
+STYLES = [
+    "functional", "sequential", "sequential_no_input", "subclassed",
+    "subclassed_built", "our_subclass", "blocks_made_in_build",
+    "nested_unbuilt",
+]
+# Each `CountedBlock.call()` in training: (style's block, whether recomputed).
+CALLS = []
+
+
+class CountedBlock(ResidualBlock):
+    def call(self, x, training=None):
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+        if training and not in_symbolic_scope():  # not a symbolic run
+            CALLS.append(self.name)
+        return super().call(x, training=training)
+
+
+class StyleNet(keras.Model):
+    """Blocks as attributes, built in the first call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [CountedBlock(4) for _ in range(3)]
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x, training=None):
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(self.pool(x))
+
+
+class OurStyleNet(GAM):
+    """The README's way: our class subclassed, with its own `call()`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [CountedBlock(4) for _ in range(3)]
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x, training=None):
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(self.pool(x))
+
+
+class LazyStyleNet(StyleNet):
+    """Blocks made in `build()`, not in `__init__()`."""
+
+    def __init__(self, **kwargs):
+        keras.Model.__init__(self, **kwargs)
+
+    def build(self, input_shape):
+        self.blocks = [CountedBlock(4) for _ in range(3)]
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(2, name="head")
+        for block in self.blocks:
+            block.build(input_shape)
+        self.head.build((None, 4))
+
+
+def styled_net(style, **options):
+    """The model of `style`, accumulating with `options`."""
+    keras.utils.set_random_seed(0)
+    if style == "our_subclass":
+        return OurStyleNet(**options)
+    tail = [keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(2, name="head")]
+    blocks = [CountedBlock(4) for _ in range(3)]
+    if style == "functional":
+        inputs = keras.Input((6, 6, 4))
+        x = inputs
+        for layer in blocks + tail:
+            x = layer(x)
+        model = keras.Model(inputs, x)
+    elif style == "sequential":
+        model = keras.Sequential([keras.Input((6, 6, 4))] + blocks + tail)
+    elif style == "sequential_no_input":
+        model = keras.Sequential(blocks + tail)
+    elif style == "nested_unbuilt":
+        model = keras.Sequential([StyleNet(name="backbone")])
+    elif style == "blocks_made_in_build":
+        model = LazyStyleNet()
+    else:
+        model = StyleNet()
+        if style == "subclassed_built":
+            model(np.zeros((1, 6, 6, 4)))
+    return GAM.from_model(model, **options)
+
+
+def _train_style(style, remat, options, compile_kwargs, fit):
+    """The trained model, the blocks' calls in training, and the traces of
+    its train step."""
+    model = styled_net(style, remat=remat, **options)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                  **compile_kwargs)
+    traces = []
+    train_step = model.train_step
+
+    def traced_step(data):
+        traces.append(1)
+        return train_step(data)
+
+    model.train_step = traced_step
+    keras.utils.set_random_seed(7)
+    CALLS.clear()
+    model.fit(*_data((6, 6, 4), (2,)), **dict(
+        dict(batch_size=4, epochs=2, shuffle=False, verbose=0), **fit
+    ))
+    return model, len(CALLS), len(traces)
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.slow) if case != "graph" else case
+    for case in ("graph", "jit", "in_step")
+])
+def test_every_way_of_writing_a_model(float64, style, case):
+    # Built before `fit()` or by it, the blocks are found and recomputed:
+    # with `remat` each of the three blocks runs twice in training per trace
+    # of the train step (the forward pass, and again in the backward pass;
+    # without `remat`, once, and a model built in its first step may trace
+    # it more than once), and trains as without it.
+    options, compile_kwargs, fit = STEP_OPTIONS[case]
+    plain, plain_calls, plain_traces = _train_style(
+        style, False, options, compile_kwargs, fit
+    )
+    ours, calls, traces = _train_style(style, True, options,
+                                       compile_kwargs, fit)
+    assert plain_calls >= 3 * plain_traces > 0
+    assert calls == 2 * 3 * traces > 0, (calls, traces)
+    _assert_same_training(plain, ours)
+    initial = styled_net(style, gradient_accumulation_steps=1)
+    initial(np.zeros((1, 6, 6, 4)))
+    assert _moved(initial, ours) > 1e-3  # it trained
+
+
+class CountingBlock(keras.layers.Layer):
+    """Assigns a variable in `call()` and reads it back: a count of its
+    calls in training that scales its output."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.calls = self.add_weight(shape=(), initializer="zeros",
+                                     trainable=False, name="calls")
+
+    def call(self, x, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+        return self.dense(x) * (1.0 + 0.1 * self.calls)
+
+
+class GlobalNoiseBlock(keras.layers.Layer):
+    """Noise from Keras' global seed generator (`seed=None`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x, training=None):
+        h = self.dense(x)
+        if training:
+            h = h + keras.random.normal(keras.ops.shape(h), stddev=0.3)
+        return h
+
+
+class RawWriteBlock(CountingBlock):
+    """Writes its variable around `keras.Variable.assign`: refused."""
+
+    def call(self, x, training=None):
+        self.calls.value.assign_add(1.0)
+        return self.dense(x) * (1.0 + 0.1 * self.calls)
+
+
+class StatefulRandomBlock(CountingBlock):
+    """Draws with TensorFlow's stateful random op: refused."""
+
+    def call(self, x, training=None):
+        return self.dense(x) * tf_random_uniform(x)
+
+
+def tf_random_uniform(x):
+    import tensorflow as tf
+
+    return tf.random.uniform([], dtype=x.dtype)
+
+
+# Blocks whose forward pass writes state that it also reads: each as the
+# model's two blocks, replayed exactly.
+WRITERS = {
+    # Writes its kernel (trainable) and `vector_u` in the forward pass.
+    "spectral_normalization": lambda: keras.layers.SpectralNormalization(
+        keras.layers.Dense(4)
+    ),
+    # Reads the renorm statistics it then moves.
+    "batch_renormalization": lambda: keras.Sequential(
+        [keras.layers.Dense(4), keras.layers.BatchNormalization(renorm=True)]
+    ),
+    "assigns_in_call": CountingBlock,
+    "global_seed_generator": GlobalNoiseBlock,
+}
+REFUSED = {
+    "raw_variable_write": (RawWriteBlock, "AssignAddVariableOp"),
+    "stateful_random_op": (StatefulRandomBlock, "RandomUniform"),
+}
+
+
+def _writers_net(make, stateful_lstm=False):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), batch_size=2 if stateful_lstm else None)
+    x = make()(make()(inputs))
+    if stateful_lstm:
+        # A stateful RNN in a block: its states carry over between batches.
+        x = keras.layers.Reshape((5, 1))(x)
+        x = keras.Sequential([keras.layers.LSTM(3, stateful=True),
+                              keras.layers.Dense(3)])(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+
+WRITER_OPTIONS = {
+    "graph": (dict(gradient_accumulation_steps=3), {}, dict(batch_size=2)),
+    "jit": (dict(gradient_accumulation_steps=3), dict(jit_compile=True),
+            dict(batch_size=2)),
+    "in_step": (dict(gradient_accumulation_steps=1, micro_batch_size=2), {},
+                dict(batch_size=6)),
+}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS) + ["stateful_lstm"])
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.slow) if case != "graph" else case
+    for case in WRITER_OPTIONS
+])
+def test_layers_that_write_state_are_replayed(float64, writer, case):
+    # The recomputation reads every variable as the forward pass read it:
+    # before the forward pass's writes (and their own reads after them).
+    if writer == "stateful_lstm":
+        if case == "in_step":
+            pytest.skip("a stateful RNN's batch is fixed; in-step batches "
+                        "are larger than their micro-batches")
+        make = functools.partial(
+            _writers_net, functools.partial(keras.layers.Dense, 5), True
+        )
+    else:
+        make = functools.partial(_writers_net, WRITERS[writer])
+    options, compile_kwargs, fit = WRITER_OPTIONS[case]
+    data = _data((5,), (2,), n=24)
+    plain, plain_history = _train(make, False, data, fit, compile_kwargs,
+                                  **options)
+    ours, history = _train(make, True, data, fit, compile_kwargs, **options)
+    assert remat_lib.plan(ours, True).blocks
+    _assert_same_training(plain, ours)
+    np.testing.assert_allclose(history.history["loss"],
+                               plain_history.history["loss"], rtol=1e-12)
+    assert _moved(make(), ours) > 1e-3
+
+
+@pytest.mark.parametrize("refused", list(REFUSED))
+@pytest.mark.parametrize("run_eagerly", [
+    False, pytest.param(True, marks=pytest.mark.slow)
+])
+def test_a_layer_that_cannot_be_replayed_is_refused(float64, refused,
+                                                    run_eagerly):
+    # A write that is not `keras.Variable.assign`, or a stateful random op,
+    # would run again with other results: refused at the first step, naming
+    # the layer, the operation and the way out; without `remat` it trains.
+    block, operation = REFUSED[refused]
+    make = functools.partial(_writers_net, block)
+    data = _data((5,), (2,), n=8)
+    compile_kwargs = dict(run_eagerly=run_eagerly)
+    _train(make, False, data, dict(batch_size=2), compile_kwargs,
+           gradient_accumulation_steps=2)
+    with pytest.raises(remat_lib.UnreplayableLayerError) as error:
+        _train(make, True, data, dict(batch_size=2), compile_kwargs,
+               gradient_accumulation_steps=2)
+    message = str(error.value)
+    assert operation in message and "remat=" in message, message
+    assert block.__name__ in message, message
+
+
 def test_named_layers_and_classes(float64):
     model = residual_net()
     names = [layer.name for layer in model.layers[1:3]]
@@ -506,26 +795,22 @@ def test_nothing_to_recompute_warns_once():
     assert sum("nothing to recompute" in str(w.message) for w in record) == 1
 
 
-@pytest.mark.parametrize("mutation", ["seeds", "stateless"])
+@pytest.mark.parametrize("mutation", ["reads", "writes"])
 def test_mutations_are_caught(float64, monkeypatch, mutation):
-    # Without the forward pass's seeds (new Dropout masks) or with the
-    # recomputation writing state (BatchNormalization moving twice), the
-    # comparison above fails: it can tell.
-    if mutation == "seeds":
-        monkeypatch.setattr(remat_lib.compat, "seed_generators",
-                            lambda layer: [])
+    # A recomputation that reads the variables as they are after the
+    # forward pass (new Dropout masks), or that writes them (BatchNormalization
+    # moving twice): the comparison above fails, it can tell.
+    replay = remat_lib._Replay
+    if mutation == "reads":
+        monkeypatch.setattr(remat_lib, "_Replay",
+                            lambda read, tape: replay([], tape))
     else:
-        class Stateful(keras.StatelessScope):
-            def __init__(self, state_mapping=None, collect_losses=False):
-                super().__init__(state_mapping=state_mapping)
+        class WritesThrough(replay):
+            def add_update(self, update):
+                super().add_update(update)
+                update[0]._direct_assign(update[1])
 
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *args):
-                return None
-
-        monkeypatch.setattr(remat_lib.keras, "StatelessScope", Stateful)
+        monkeypatch.setattr(remat_lib, "_Replay", WritesThrough)
     data = _data((6, 6, 4), (2,))
     plain, _ = _train(residual_net, False, data, gradient_accumulation_steps=3)
     ours, _ = _train(residual_net, True, data, gradient_accumulation_steps=3)
@@ -546,11 +831,17 @@ def _child(*args, env=None, timeout=300):
 
 @pytest.mark.slow
 def test_mirrored_strategy_two_replicas():
+    # Residual blocks, a block that writes state in its forward pass, and
+    # a subclassed model built by `fit()` (`remat_child.MIRRORED_MODELS`).
     run = _child("mirrored")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "difference" in run.stdout
-    difference = float(run.stdout.split("difference")[-1].split()[0])
-    assert difference <= EXACT, run.stdout
+    lines = [line.split() for line in run.stdout.splitlines()
+             if " difference " in line]
+    assert [line[0] for line in lines] == [
+        "residual", "spectral_normalization", "subclassed_unbuilt"
+    ], run.stdout
+    for name, _, moved, _, difference in lines:
+        assert float(moved) > 1e-3 and float(difference) <= EXACT, run.stdout
 
 
 # A CPU memory limit (MiB) in which `remat_child.deep_net()` trains one

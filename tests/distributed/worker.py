@@ -19,7 +19,9 @@ flags below), and, under `MirroredStrategy` only, input of unknown length:
 `unknown` (a `tf.data` pipeline with `.filter()`), `generator` (a
 `Dataset.from_generator`), `carry` (`flush_at_epoch_end=False`). On such
 input Keras calls the train function once more at each epoch's end, and
-that call's input runs out: it must count nothing.
+that call's input runs out: it must count nothing. `n1`: N = 1, one update
+per train step (Keras' own step on one replica; across replicas, still the
+big batch's update).
 """
 
 import argparse
@@ -40,7 +42,7 @@ SAMPLES = 30  # 8 micro-batches per epoch: windows of 3, 3 and a short 2
 # carried over into the next epoch).
 UNKNOWN_SAMPLES = 24
 CARRY_SAMPLES = 28
-OPTIONS = ("schedule", "in_step", "unknown", "generator", "carry")
+OPTIONS = ("schedule", "in_step", "unknown", "generator", "carry", "n1")
 UNKNOWN_LENGTH = ("unknown", "generator")
 DROPPED = (0, 4, 8)  # "dropped" case: one non-finite sample per micro-batch
 CASES = ("default", "masked", "overflow", "batchnorm", "dropped")
@@ -229,6 +231,7 @@ def main():
                 "unknown" if "unknown" in options else "arrays"
             ),
             carry="carry" in options,
+            steps=1 if "n1" in options else STEPS,
             spec=spec,
         ))
 
@@ -305,13 +308,16 @@ def run_case(args, strategy, counter, worker, workers):
         ours = build_model(
             keras_accum.GradientAccumulationModel, keras, args.case,
             synchronized=not args.in_step,
-            gradient_accumulation_steps=1 if args.in_step else STEPS,
+            gradient_accumulation_steps=1 if args.in_step else args.steps,
             micro_batch_size=(
                 GLOBAL_MICRO_BATCH // strategy.num_replicas_in_sync
                 if args.in_step else None
             ),
+            # With N = 1, the default, which leaves Keras' own step to N = 1
+            # on one replica.
             non_finite_policy=(
-                "drop_micro_batch" if args.case == "dropped" else "skip_window"
+                "drop_micro_batch" if args.case == "dropped"
+                else "auto" if args.steps == 1 else "skip_window"
             ),
             flush_at_epoch_end=not args.carry,
         )
@@ -341,7 +347,7 @@ def run_case(args, strategy, counter, worker, workers):
             self.steps.append((applied, int(counter.counter.numpy()) - self._start))
 
     spy = StepReductions()
-    steps_by_epoch = [STEPS] * args.epochs
+    steps_by_epoch = [args.steps] * args.epochs
     if args.schedule:
         steps_by_epoch[1:] = [2] * (args.epochs - 1)
         spy = [spy, keras_accum.callbacks.GradientAccumulationScheduler({1: 2})]
