@@ -17,6 +17,7 @@ would show. The real out-of-memory errors are in
 tests/test_small_memory.py.
 """
 
+import inspect
 import warnings
 
 import keras
@@ -213,6 +214,10 @@ def test_failed_attempts_leave_no_trace(case):
     # fails in its second micro-batch of 16 (the buffers hold step 1 and
     # its first micro-batch), then trains at 8, and so do steps 3 and 4.
     run_eagerly, stateful, style, precision = CASES[case]
+    if stateful == "renorm" and "renorm" not in inspect.signature(
+        keras.layers.BatchNormalization.__init__
+    ).parameters:
+        pytest.skip("no `renorm` in this Keras (from 3.14)")
     kind = dict(stateful=stateful, style=style, precision=precision)
     auto, logs, frozen = trained(
         "auto", run_eagerly, outcomes=[False, True, True, True, False], **kind

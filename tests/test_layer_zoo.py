@@ -147,7 +147,10 @@ EXTRA = {
 # Variants that matter, beyond each class with its defaults: id ->
 # (class name, keyword arguments).
 VARIANTS = {
-    "BatchNormalization-renorm": ("BatchNormalization", dict(renorm=True)),
+    # (`renorm` is an argument from Keras 3.14.)
+    **({"BatchNormalization-renorm": ("BatchNormalization", dict(renorm=True))}
+       if "renorm" in inspect.signature(
+           keras.layers.BatchNormalization.__init__).parameters else {}),
     "LSTM-dropout": ("LSTM", dict(dropout=0.2, recurrent_dropout=0.2)),
     "MultiHeadAttention-dropout": ("MultiHeadAttention", dict(dropout=0.2)),
 }
