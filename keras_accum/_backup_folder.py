@@ -20,6 +20,7 @@ was written last, and a `latest` pointer file) are still read.
 
 import contextlib
 import dataclasses
+import errno
 import json
 import numbers
 import os
@@ -121,7 +122,8 @@ def is_file(root):
     return tf.io.gfile.exists(root) and not tf.io.gfile.isdir(root)
 
 
-def write(root, epoch, batches, worker, save_weights, position):
+def write(root, epoch, batches, worker, save_weights, position,
+          expected_bytes=0):
     """Writes a complete backup folder into `root`, its manifest last.
 
     Args:
@@ -131,24 +133,68 @@ def write(root, epoch, batches, worker, save_weights, position):
         save_weights: a function of a local file path that writes the
             weights file there.
         position: a JSON-serializable dict, the backup's position.
+        expected_bytes: about how many bytes the backup takes: on a local
+            disk with less free space, nothing is written (HDF5 can end
+            the process when the disk fills up under it).
 
     Returns:
         The `Backup` written.
+
+    Raises:
+        WriteError: if a file system error stopped it (nothing of it is
+            left).
     """
     stamp = time.time_ns()
     name = f"backup-{epoch}-{batches}-w{worker}-{stamp}"
     backup = Backup(root, name, epoch, batches, worker, stamp)
-    tf.io.gfile.makedirs(backup.path)
-    sizes = {}
-    with _local_target(backup.file(WEIGHTS)) as local:
-        save_weights(local)
-    _sync(backup.file(WEIGHTS))
-    sizes[WEIGHTS] = tf.io.gfile.stat(backup.file(WEIGHTS)).length
-    manifest = {"format": FORMAT, "files": sizes, "position": position}
-    with tf.io.gfile.GFile(backup.file(MANIFEST), "wb") as f:
-        f.write(json.dumps(manifest).encode("utf-8"))
-    _sync(backup.file(MANIFEST))
+    try:
+        _check_space(root, expected_bytes)
+        tf.io.gfile.makedirs(backup.path)
+        sizes = {}
+        with _local_target(backup.file(WEIGHTS)) as local:
+            save_weights(local)
+        _sync(backup.file(WEIGHTS))
+        sizes[WEIGHTS] = tf.io.gfile.stat(backup.file(WEIGHTS)).length
+        manifest = {"format": FORMAT, "files": sizes, "position": position}
+        with tf.io.gfile.GFile(backup.file(MANIFEST), "wb") as f:
+            f.write(json.dumps(manifest).encode("utf-8"))
+        _sync(backup.file(MANIFEST))
+    except BaseException as error:
+        # What was written goes (it is never restored: no manifest, or a
+        # short file), so that a full disk does not stay full.
+        remove(backup.path)
+        # h5py reports a failed write (a full disk) as a `RuntimeError`.
+        if isinstance(error, (OSError, RuntimeError, tf.errors.OpError)):
+            raise WriteError(backup, error) from error
+        raise
     return backup
+
+
+def _check_space(root, expected_bytes):
+    """Raises `OSError` (ENOSPC) where a local `root` has less free space
+    than `expected_bytes`."""
+    if not expected_bytes or is_remote(root):
+        return
+    free = shutil.disk_usage(root).free
+    if free < expected_bytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: the backup takes about "
+            f"{expected_bytes:,} bytes and {free:,} are free",
+        )
+
+
+class WriteError(Exception):
+    """A backup that could not be written completely (and was removed).
+
+    Attributes:
+        backup: the `Backup` that was being written.
+        cause: the error that stopped it (also `__cause__`).
+    """
+
+    def __init__(self, backup, cause):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.backup, self.cause = backup, cause
 
 
 def _sync(path):
@@ -251,6 +297,11 @@ def read(backup):
     if not tf.io.gfile.exists(path):
         return None
     manifest = _read_json(path)
+    if not isinstance(manifest, dict):
+        raise ValueError(
+            "the manifest must be a JSON object. Received: "
+            f"{type(manifest).__name__} {_shown(manifest)}"
+        )
     if manifest.get("format") != FORMAT:
         raise ValueError(
             f"unknown format. Received: format={manifest.get('format')!r}"
@@ -271,6 +322,11 @@ def read(backup):
                 f"'{file}' holds {found} bytes, its manifest lists {size}"
             )
     return check_position(manifest.get("position"))
+
+
+def size(backup):
+    """The bytes of a complete backup's weights file."""
+    return tf.io.gfile.stat(backup.file(WEIGHTS)).length
 
 
 def _read_json(path):
@@ -308,8 +364,8 @@ def check_position(position):
     """
     if not isinstance(position, dict):
         raise ValueError(
-            "expected a JSON object. Received: "
-            f"{type(position).__name__}"
+            "`position` must be a JSON object. Received: "
+            f"{type(position).__name__} {_shown(position)}"
         )
 
     def ints(value):  # `true` and `false` load as `bool`
@@ -351,6 +407,12 @@ def check_position(position):
                 f"`{key}` must {expected}. Received: {key}={value!r}"
             )
     return position
+
+
+def _shown(value):
+    """`value`'s JSON, cut to 80 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _fingerprint(value):

@@ -263,6 +263,40 @@ class Preemption:
             self._thread = None
 
 
+def report_failure(strategy, fit, text):
+    """Publishes this worker's failure in the coordination service (one per
+    worker and `fit`, a count of `fit()` calls the same on every worker),
+    for the errors of the workers that its failure stops."""
+    job = _job(strategy)
+    if job.count > 1 and _coordination_service():
+        _set(f"keras_accum/failure/{fit}/{job.index}", text)
+
+
+def reported_failures(strategy, fit, timeout_s=5.0):
+    """The failures that the other workers published for `fit`, waiting up
+    to `timeout_s` for them: `[(worker, text)]` (none where the job has no
+    coordination service, or it went with the chief)."""
+    job = _job(strategy)
+    if job.count == 1 or not _coordination_service():
+        return []
+    found = {}
+
+    def read(worker):
+        text = _get(f"keras_accum/failure/{fit}/{worker}", timeout_s=timeout_s)
+        if text is not None:
+            found[worker] = text
+
+    threads = [
+        threading.Thread(target=read, args=(worker,), daemon=True)
+        for worker in range(job.count) if worker != job.index
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s + 1)
+    return sorted(found.items())
+
+
 def _coordination_service():
     """Whether this process's job has TensorFlow's coordination service
     (`MultiWorkerMirroredStrategy` starts it)."""

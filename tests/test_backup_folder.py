@@ -8,6 +8,8 @@ damage; backups list newest first; each worker prunes only its own; the
 previous layout (`position.json`, a `latest` pointer) is read.
 """
 
+import collections
+import errno
 import json
 import os
 
@@ -99,9 +101,46 @@ def test_position_fields_are_checked():
                        r"numbers\. Received: logs=\{'loss': 'x'\}"):
         folders.check_position({"epoch": 0, "batches": 0,
                                 "logs": {"loss": "x"}})
-    with pytest.raises(ValueError, match="expected a JSON object. Received: "
-                       "list"):
+    with pytest.raises(ValueError, match="`position` must be a JSON object. "
+                       "Received: list"):
         folders.check_position([])
+
+
+@pytest.mark.parametrize("manifest, error", [
+    # Parses, but not to an object.
+    ([0, 6], r"the manifest must be a JSON object\. Received: list \[0, 6\]"),
+    ("backup", r"Received: str \"backup\""),
+    (7, r"Received: int 7"),
+    (None, r"Received: NoneType null"),
+    # An object whose position is missing, of the wrong type, or lacks or
+    # mistypes a field.
+    ({"format": 2, "files": {folders.WEIGHTS: 8}},
+     r"`position` must be a JSON object\. Received: NoneType null"),
+    ({"format": 2, "files": {folders.WEIGHTS: 8}, "position": [2, 4]},
+     r"`position` must be a JSON object\. Received: list \[2, 4\]"),
+    ({"format": 2, "files": {folders.WEIGHTS: 8},
+      "position": {"epoch": 2}}, r"`batches` is missing"),
+    ({"format": 2, "files": {folders.WEIGHTS: 8},
+      "position": {"epoch": "2", "batches": 4}},
+     r"`epoch` must be an integer >= 0\. Received: epoch='2'"),
+    ({"format": 2, "files": {folders.WEIGHTS: 8},
+      "position": {"epoch": 2, "batches": 4, "seed_generators": [[1.5]]}},
+     r"`seed_generators` must be a list of lists of integers"),
+    ({"format": 2, "files": [folders.WEIGHTS], "position": {}},
+     r"`files` must list `model\.weights\.h5` and its size"),
+])
+def test_manifests_of_the_wrong_shape_are_damage(root, manifest, error):
+    # Whatever a manifest parses to, reading it raises one of `DAMAGE`
+    # with a message (the restore names the backup and falls back), never
+    # an `AttributeError`.
+    backup = folders.write(root, 2, 4, 0, _writer(b"x" * 8),
+                           {"epoch": 2, "batches": 4})
+    # Removed first: `ram://` appends to a file written again.
+    tf.io.gfile.remove(backup.file(folders.MANIFEST))
+    with tf.io.gfile.GFile(backup.file(folders.MANIFEST), "wb") as f:
+        f.write(json.dumps(manifest).encode())
+    with pytest.raises(folders.DAMAGE, match=error):
+        folders.read(backup)
 
 
 def test_previous_layout_is_read(tmp_path):
@@ -123,3 +162,26 @@ def test_previous_layout_is_read(tmp_path):
                         {"epoch": 1, "batches": 6})
     folders.prune(str(root), 0, keep={new.name})
     assert sorted(os.listdir(root)) == [new.name]
+
+
+def test_a_disk_without_room_for_the_backup_is_not_written(tmp_path,
+                                                          monkeypatch):
+    # HDF5 can end the process when a disk fills up under it: a local disk
+    # with less free space than the backup takes is refused before any
+    # write (ENOSPC), and nothing is left of the backup.
+    root = str(tmp_path / "backup")
+    tf.io.gfile.makedirs(root)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(folders.shutil, "disk_usage",
+                        lambda path: usage(10_000, 9_900, 100))
+    with pytest.raises(folders.WriteError, match=r"No space left on device: "
+                       r"the backup takes about 1,000 bytes and 100 are free"
+                       ) as error:
+        folders.write(root, 0, 2, 0, _writer(b"w" * 10),
+                      {"epoch": 0, "batches": 2}, expected_bytes=1000)
+    assert error.value.cause.errno == errno.ENOSPC
+    assert folders.listing(root) == []
+    # With room, or no estimate, it is written.
+    backup = folders.write(root, 0, 2, 0, _writer(b"w" * 10),
+                           {"epoch": 0, "batches": 2}, expected_bytes=50)
+    assert folders.read(backup) == {"epoch": 0, "batches": 2}

@@ -5,8 +5,8 @@ compiled metrics, validation data, the input's kind, reshuffling pipelines
 included, N, in-step micro-batches, `steps_per_execution`, Dropout, mixed
 precision, `MirroredStrategy`, `save_freq`, `flush_at_epoch_end`) and one or
 two places to kill it with SIGKILL (a train batch or a validation batch of
-any epoch; in the second test, only an epoch's last train batch or its
-validation). The
+any epoch, or an epoch's end after its backup; in the second test, only an
+epoch's last train batch, its validation or its end). The
 script runs uninterrupted, then killed at each place and started again with
 the same command until it ends; each restart must begin where the backup
 before its kill was made (`[epoch, updates, pending micro-batches]`, the
@@ -92,21 +92,24 @@ def scripts(draw, places="anywhere"):
     options += ["--precision", draw(st.sampled_from(
         ["float64", "float64", "mixed_float16", "mixed_bfloat16"]
     ))]
-    # Where to kill: (epoch, in validation, 1-based batch).
+    # Where to kill: (epoch, where in it, 1-based batch), where in it a
+    # train batch (0), a validation batch (1), or the epoch's end after its
+    # backup (2: also the last epoch's, where the restart has nothing left
+    # to train and returns that epoch's logs).
     batches = math.ceil(samples / BATCH)
     place = st.tuples(
-        st.integers(0, EPOCHS - 1), st.just(False),
+        st.integers(0, EPOCHS - 1), st.just(0),
         st.integers(1, batches) if places == "anywhere" else st.just(batches),
-    )
+    ) | st.tuples(st.integers(0, EPOCHS - 1), st.just(2), st.just(0))
     if validation:
         place = place | st.tuples(
-            st.integers(0, EPOCHS - 1), st.just(True),
+            st.integers(0, EPOCHS - 1), st.just(1),
             st.integers(1, VALIDATION_BATCHES),
         )
     places = sorted(draw(st.lists(place, min_size=1, max_size=2, unique=True)))
     kills = [
-        f"{'v' if in_validation else ''}{epoch}:{batch}"
-        for epoch, in_validation, batch in places
+        f"e{epoch}" if where == 2 else f"{'v' if where else ''}{epoch}:{batch}"
+        for epoch, where, batch in places
     ]
     return options, kills
 
@@ -188,6 +191,19 @@ _SEARCH = settings(
     ["--samples", "52", "--data", "unknown", "--steps", "3", "--validation",
      "--steps-per-execution", "3", "--save-freq", "1"],
     ["v0:1"],
+))
+# The last epoch's end, after its backup, with compiled metrics: the
+# restart has nothing left to train, and returns the last epoch's logs.
+@example(script=(
+    ["--samples", "52", "--data", "shuffled-arrays", "--steps", "1",
+     "--steps-per-execution", "2", "--save-freq", "3", "--metrics", "mae"],
+    ["e2"],
+))
+@example(script=(
+    ["--samples", "48", "--data", "unknown", "--steps", "4",
+     "--micro-batch-size", "4", "--no-flush", "--metrics", "mae",
+     "accuracy", "--save-freq", "5", "--precision", "mixed_float16"],
+    ["1:3", "e2"],
 ))
 def test_killed_script_resumes_exactly(script, runs, tmp_path_factory):
     _assert_resumes_exactly(script, runs, tmp_path_factory)
@@ -284,7 +300,12 @@ def expected_starts(trace, kills, save_freq):
             since = done = 0
     starts = [[0, 0, 0]]
     for kill in kills:
-        if kill.startswith("v"):
+        if kill.startswith("e"):
+            # At the epoch's end, after its backup.
+            epoch = int(kill[1:])
+            at = next(i for i, e in enumerate(trace)
+                      if e[0] == "epoch" and e[1] == epoch)
+        elif kill.startswith("v"):
             # In validation: after the epoch's batches, before its end.
             epoch = int(kill[1:].split(":")[0])
             at = next(i for i, e in enumerate(trace)

@@ -20,6 +20,7 @@ returns the last epoch's logs.
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -477,6 +478,15 @@ DAMAGES = {
         r"backup '[^']*backup-1-2-[^']*' instead\.",
         (2, 2),
     ),
+    # A manifest that parses, but not to an object.
+    "manifest [0, 6]": (
+        lambda folder, newest: (newest / "manifest.json").write_text("[0, 6]"),
+        r"Could not restore the backup in '[^']*backup-1-4-[^']*"
+        r"manifest\.json' \(ValueError: the manifest must be a JSON object\. "
+        r"Received: list \[0, 6\]\): restoring the previous backup "
+        r"'[^']*backup-1-2-[^']*' instead\.",
+        (2, 2),
+    ),
     "batches=-5": (
         lambda folder, newest: _set_batches(newest, -5),
         r"manifest\.json' \(ValueError: `batches` must be an integer >= 0\. "
@@ -531,6 +541,92 @@ def test_damaged_backup_falls_back_exactly(backups, tmp_path, damage, float64):
     record(f"resumed from a damaged backup ({damage})", diff)
     assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
     assert not folder.exists()
+
+
+class _FailingSave:
+    """`save_weights` that fails at its `at`-th call (1-based), after
+    writing half of the file: `error` (`tries` times in a row, from that
+    call on)."""
+
+    def __init__(self, at, error, tries=1):
+        self.at, self.error, self.tries, self.calls = at, error, tries, 0
+        self.save = keras_accum.GradientAccumulationModel.save_weights
+
+    def method(self):
+        """As a method of the model's class."""
+        return lambda model, path, *a, **k: self(model, path, *a, **k)
+
+    def __call__(self, model, path, *args, **kwargs):
+        self.calls += 1
+        if self.at <= self.calls < self.at + self.tries:
+            self.save(model, path, *args, **kwargs)
+            _truncate(pathlib.Path(path))  # a write that stopped partway
+            raise self.error
+        return self.save(model, path, *args, **kwargs)
+
+
+@pytest.mark.parametrize("at, last", [
+    (3, r"A restart resumes from the last complete backup, "
+        r"'[^']*backup-0-4-w0-[^']*' \(after batch 4 of epoch 0\)\."),
+    (1, r"There is no complete backup in it yet: a restart trains from the "
+        r"beginning\."),
+])
+def test_a_backup_that_cannot_be_written_stops_training(
+    backups, tmp_path, monkeypatch, float64, at, last
+):
+    # The disk fills up while the third backup (after batch 6 of epoch 0),
+    # or the first, is written: the error names that backup, the cause
+    # and the backup a restart will use; what was written is removed; the
+    # restart ends as the uninterrupted run.
+    folder = tmp_path / "backup"
+    full = OSError(28, "No space left on device")
+    monkeypatch.setattr(keras_accum.GradientAccumulationModel,
+                        "save_weights", _FailingSave(at, full).method())
+    with pytest.raises(
+        keras_accum.callbacks.BackupWriteError,
+        match=r"Could not write the backup '[^']*backup-0-"
+        rf"{2 * at}-w0-[^']*' in `backup_dir` \(OSError: \[Errno 28\] No "
+        rf"space left on device\)\. Training stopped\. {last}",
+    ):
+        _fit([BackupAndRestore(folder, save_freq=2)])
+    kept = [p.name.split("-")[:3] for p in folder.iterdir()]
+    assert kept == ([["backup", "0", "4"]] if at == 3 else [])
+    monkeypatch.undo()
+    start = _AtStart()
+    resumed = _fit([BackupAndRestore(folder, save_freq=2), start])
+    assert start.epoch == 0 and start.state[0] == (1 if at == 3 else 0)
+    diff = relative_difference(backups[0], resumed.get_weights())
+    assert diff <= 1e-12, f"resumed run differs: {diff:.3g}"
+
+
+def test_a_transient_write_error_is_tried_again(backups, tmp_path,
+                                                monkeypatch, float64):
+    # A remote file system's transient error (`UnavailableError`) while the
+    # second backup is written, twice: tried again in a new folder, the run
+    # goes on, and ends as the uninterrupted one. A third failure in a row
+    # stops it.
+    from keras_accum.callbacks import backup_and_restore
+
+    monkeypatch.setattr(backup_and_restore, "_RETRY_SECONDS", (0, 0))
+    unavailable = tf.errors.UnavailableError(None, None, "try again")
+    monkeypatch.setattr(keras_accum.GradientAccumulationModel,
+                        "save_weights",
+                        _FailingSave(2, unavailable, tries=2).method())
+    with pytest.warns(UserWarning, match=r"Writing the backup '[^']*"
+                      r"backup-0-4-w0-[^']*' failed \(UnavailableError: try "
+                      r"again\); trying again in 0 s\."):
+        resumed = _fit([BackupAndRestore(tmp_path / "backup", save_freq=2)])
+    diff = relative_difference(backups[0], resumed.get_weights())
+    assert diff <= 1e-12, f"the run differs: {diff:.3g}"
+    monkeypatch.setattr(keras_accum.GradientAccumulationModel,
+                        "save_weights",
+                        _FailingSave(2, unavailable, tries=3).method())
+    with pytest.raises(keras_accum.callbacks.BackupWriteError,
+                       match=r"\(UnavailableError: try again\)\. Training "
+                       r"stopped\. A restart resumes from the last complete "
+                       r"backup, '[^']*backup-0-2-w0-"):
+        with pytest.warns(UserWarning, match="trying again"):
+            _fit([BackupAndRestore(tmp_path / "other", save_freq=2)])
 
 
 def test_no_intact_backup_is_an_error(backups, tmp_path, float64):

@@ -44,7 +44,7 @@ def start_background_runs(tmp_path_factory):
     return start(
         tmp_path_factory, "resume_multi_worker",
         lambda folder: [sys.executable, SCRIPT, str(folder)], env,
-        timeout=13 * 240,
+        timeout=14 * 240,
     )
 
 
@@ -200,3 +200,30 @@ def test_lost_folder_is_the_same_clear_error_on_both_workers(
         assert re.fullmatch(message, errors[0]), errors[0]
     # Nothing was deleted: worker 0's backup is still there.
     assert (folder / "lost_backup-0").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.background(start=start_background_runs)
+def test_a_worker_that_cannot_back_up_is_named_on_every_worker(
+    tmp_path_factory
+):
+    # Worker 1's folder is replaced by a file mid-run: its backup after
+    # batch 2 of epoch 1 fails, with an error that names the backup. Worker
+    # 0, whose collective then fails, says which worker stopped and why
+    # (through the coordination service), not only the collective; both
+    # exit promptly.
+    _, runs = _runs(tmp_path_factory)
+    run = runs["broken_folder"]
+    assert run["returncodes"] == [1, 1], run["stderr"]
+    assert run["seconds"] < 60, run["seconds"]
+    errors = [re.findall(r"^(\w+(?:\.\w+)*: .*)$", text, re.M)[-1]
+              for text in run["stderr"]]
+    backup = (r"Could not write the backup '[^']*broken_backup-1/"
+              r"backup-1-2-w1-\d+' in `backup_dir` \(")
+    assert re.match(r"\S*BackupWriteError: " + backup, errors[1]), errors[1]
+    assert re.match(
+        r"\S*WorkerFailedError: Worker 1 stopped, and so worker 0, while it "
+        r"tried to write its backup after batch 2 of epoch 1\. Worker 1 "
+        r"could not write its backup after batch 2 of epoch 1: "
+        r"BackupWriteError: " + backup, errors[0],
+    ), errors[0]

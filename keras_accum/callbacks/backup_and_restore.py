@@ -4,12 +4,16 @@ The callback holds Keras' hooks only: the folder's format is
 `keras_accum._backup_folder`, the workers' protocol `keras_accum._workers`.
 """
 
+import contextlib
+import itertools
 import numbers
 import os
+import time
 import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_accum import _backup_folder as folders
 from keras_accum import _keras_compat as compat
@@ -139,9 +143,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_backup = self._checks = 0
         self._previous = None  # the folder `double_checkpoint` keeps
         self._final_logs = None  # a restored epoch end's logs
+        self._last_complete = None  # the newest complete backup known
         self._epochs_ended = 0
 
     def on_train_begin(self, logs=None):
+        # The same count on every worker (each runs the same `fit()`s).
+        self._fit = next(_FITS)
         if not hasattr(self.model, "gradient_accumulator"):
             raise ValueError(
                 "`keras_accum.callbacks.BackupAndRestore` needs a "
@@ -152,6 +159,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         root = self.backup_dir
         self._strategy = self.model.distribute_strategy
         self._worker, self._workers = _workers.workers(self._strategy)
+        with self._failing_together("restore a backup"):
+            self._begin(root)
+
+    def _begin(self, root):
+        """Checks `backup_dir`, restores the newest backup (if any) and
+        installs the SIGTERM handler."""
         if self.save_freq is not False or self.save_before_preemption:
             # Every worker writes its own backups.
             try:
@@ -169,6 +182,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"Received: backup_dir={root!r}"
             )
         self._previous = self._backed_up_at = self._final_logs = None
+        self._last_complete = None
         self._epochs_ended = self._checks = 0
         position = self._restore()
         self._epoch = position["epoch"] if position else 0
@@ -213,6 +227,29 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_in_epoch = epoch, 0
+
+    @contextlib.contextmanager
+    def _failing_together(self, what):
+        """With several workers: this worker's error while it does `what`
+        is published for the others; a collective that fails because
+        another worker stopped raises an error that names that worker and
+        its error (or, where none was published, says so)."""
+        try:
+            yield
+        except Exception as error:
+            if self._workers == 1 or isinstance(error, WorkerFailedError):
+                raise
+            if _collective(error):
+                others = _workers.reported_failures(self._strategy, self._fit)
+                raise WorkerFailedError(
+                    _stopped_by_others(self._worker, what, others, error)
+                ) from error
+            _workers.report_failure(
+                self._strategy, self._fit,
+                f"worker {self._worker} could not {what}: "
+                f"{type(error).__name__}: {error}",
+            )
+            raise
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the call's last step (nominal: an epoch's last call of
@@ -277,7 +314,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self.save_before_preemption:
             return
         self._checks += 1
-        if not self._preemption.due(self._checks):
+        with self._failing_together("agree on where to stop for SIGTERM"):
+            due = self._preemption.due(self._checks)
+        if not due:
             return
         if self._backed_up_at != (epoch, batches):
             self._backup(epoch, batches, logs)
@@ -292,6 +331,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _backup(self, epoch, batches, logs=None):
         """Writes a complete backup of this worker, then deletes its older
         ones (once every worker holds the new one)."""
+        with self._failing_together(
+            f"write its backup after batch {batches} of epoch {epoch}"
+        ):
+            self._write_backup(epoch, batches, logs)
+
+    def _write_backup(self, epoch, batches, logs):
         self._since_backup = 0
         self._backed_up_at = (epoch, batches)
         position = {"epoch": epoch, "batches": batches}
@@ -320,10 +365,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             state = np.asarray(generator.state.numpy()).tolist()
             position["global_seed_generator"] = state
         # `save_weights` gathers the pending window from every worker.
-        backup = folders.write(
-            self.backup_dir, epoch, batches, self._worker,
-            self.model.save_weights, position,
-        )
+        backup = self._write(epoch, batches, position)
         if self._workers > 1:
             # No worker deletes a backup before all hold the new one.
             _workers.barrier(self._strategy)
@@ -332,6 +374,71 @@ class BackupAndRestore(keras.callbacks.Callback):
             keep.add(self._previous)
         self._previous = backup.name
         folders.prune(self.backup_dir, self._worker, keep)
+
+    def _write(self, epoch, batches, position):
+        """`folders.write()`, tried again after a transient error of a
+        remote file system (each try in a new folder: its files are written
+        once); any other error stops training, saying which backup a
+        restart will use."""
+        for wait in (*_RETRY_SECONDS, None):
+            try:
+                backup = folders.write(
+                    self.backup_dir, epoch, batches, self._worker,
+                    self.model.save_weights, position, self._expected_bytes(),
+                )
+            except folders.WriteError as error:
+                if _collective(error.cause):
+                    # `save_weights` gathers from the other workers: one
+                    # of them stopped, not this file system.
+                    raise error.cause from None
+                if wait is not None and isinstance(error.cause, _TRANSIENT):
+                    warnings.warn(
+                        f"Writing the backup '{error.backup.path}' failed "
+                        f"({error}); trying again in {wait} s.",
+                        stacklevel=4,
+                    )
+                    time.sleep(wait)
+                    continue
+                raise self._write_failed(error) from error.cause
+            self._last_complete = backup
+            return backup
+
+    def _expected_bytes(self):
+        """About what a backup takes: the last one's weights file, or twice
+        the model's and optimizer's variables (the window's buffers too),
+        and room for HDF5's own records."""
+        last = self._last_complete
+        if last is not None and last.worker == self._worker:
+            with contextlib.suppress(*folders.DAMAGE):
+                return int(folders.size(last) * 1.1) + _SLACK
+        variables = list(self.model.variables)
+        if self.model.optimizer is not None:
+            variables += list(self.model.optimizer.variables)
+        data = sum(
+            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+            for v in variables
+        )
+        return 2 * data + _SLACK
+
+    def _write_failed(self, error):
+        """The error of a backup that could not be written."""
+        last = self._last_complete
+        if last is None:
+            then = (
+                "There is no complete backup in it yet: a restart trains "
+                "from the beginning."
+            )
+        else:
+            then = (
+                "A restart resumes from the last complete backup, "
+                f"'{last.path}' (after batch {last.batches} of epoch "
+                f"{last.epoch})."
+            )
+        return BackupWriteError(
+            f"Could not write the backup '{error.backup.path}' in "
+            f"`backup_dir` ({error}). Training stopped. {then} Free space or "
+            "fix the folder's permissions, then run the same `fit()` again."
+        )
 
     def _restore(self):
         """Loads the newest backup that every worker holds intact; returns
@@ -405,6 +512,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
             if backup.worker == self._worker:
                 self._previous = backup.name
+            self._last_complete = backup
             return position
         if not problems and not common:
             if partial:
@@ -467,6 +575,67 @@ class BackupAndRestore(keras.callbacks.Callback):
         if state is not None:
             state_variable = compat.global_seed_generator(create=True).state
             state_variable.assign(np.asarray(state, state_variable.dtype))
+
+
+class BackupWriteError(RuntimeError):
+    """A backup that could not be written: training stops."""
+
+
+class WorkerFailedError(RuntimeError):
+    """Another worker stopped, and so this one: the error names it."""
+
+
+# `fit()` calls in this process: every worker counts the same.
+_FITS = itertools.count()
+
+
+def _collective(error):
+    """Whether `error` is a collective's with the other workers, which
+    fails when one of them stops."""
+    return isinstance(error, tf.errors.OpError) and "Collective" in str(
+        error.message
+    )
+
+
+def _stopped_by_others(worker, what, others, error):
+    """The error of a worker whose collective failed because others
+    stopped: `others`, `[(worker, what it published)]`."""
+    lines = [line.strip() for line in str(error.message).splitlines()]
+    lines = [line for line in lines if line]
+    # The line that says why the collective stopped, where there is one.
+    first = next(
+        (line for line in lines if line.startswith("Collective ops")),
+        lines[0] if lines else "",
+    )
+    if others:
+        which = ", ".join(f"worker {w}" for w, _ in others)
+        said = " ".join(
+            f"{text[:1].upper()}{text[1:].rstrip('.')}." for _, text in others
+        )
+        return (
+            f"{which.capitalize()} stopped, and so worker {worker}, while it "
+            f"tried to {what}. {said} (Worker {worker}'s own error: "
+            f"{type(error).__name__}: {first})"
+        )
+    return (
+        f"A collective with the other workers failed while worker {worker} "
+        f"tried to {what}: another worker stopped and published no error "
+        "(the chief, whose process holds the coordination service, or a "
+        "process that was killed); its log says why. (Worker "
+        f"{worker}'s own error: {type(error).__name__}: {first})"
+    )
+
+
+# Errors of a remote file system that a new try may not meet, and the
+# seconds waited before each new try.
+_TRANSIENT = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+)
+_RETRY_SECONDS = (1, 4)
+# Bytes of HDF5's own records and the manifest, beyond the data.
+_SLACK = 64 << 10
 
 
 def _numbers(logs):

@@ -28,7 +28,9 @@ TensorFlow op (`forking.py`). One after the other (or the RUNs named):
 - `lost_killed`, then `lost_restart1` and `lost_restart2`: a folder per
   worker, `FOLDER/lost_backup-<worker>`, worker 1 killed mid-window, then
   worker 1's folder deleted before each restart: the workers hold no
-  backup in common.
+  backup in common;
+- `broken_folder`: a folder per worker, worker 1's replaced by a file as batch 2
+  of epoch 1 starts: its backup after that batch cannot be written.
 
 Worker `i` of run `r` writes `OUT_FILE` `FOLDER/<r>-<i>.npz` and logs where
 it starts in `FOLDER/<prefix>starts-<i>.jsonl` (`prefix`: the run's name
@@ -75,6 +77,9 @@ RUNS = {
     "lost_killed": ("lost_backup-{worker}", [], ["--kill", "1:3"]),
     "lost_restart1": ("lost_backup-{worker}", [], []),
     "lost_restart2": ("lost_backup-{worker}", [], []),
+    "broken_folder": (
+        "broken_backup-{worker}", [], ["--break-backup-dir", "1:2"]
+    ),
 }
 TIMEOUT = 240  # seconds, per run
 

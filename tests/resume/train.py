@@ -22,12 +22,16 @@ names). `--file-url` gives the callback BACKUP_DIR as a `file://` URL. `--trace
 FILE` appends a JSON line at every train batch end (`["batch", epoch, batch +
 1, steps, updates, pending]`) and epoch end (`["epoch", epoch, updates,
 pending]`). A run that ends also writes the optimizer's variables to OUT_FILE
-with `.optimizer.npz` for `.npz`.
+with `.optimizer.npz` for `.npz`. `--break-backup-dir EPOCH:BATCH` replaces
+the backup folder by a file as that train batch starts. `--batch-size`,
+`--epochs` and `--optimizer` (`adam` or `sgd`) change the defaults (8, 3,
+Adam).
 """
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -118,6 +122,26 @@ class LogStart(keras.callbacks.Callback):
         self.on_epoch_begin(self.params["epochs"])
 
 
+class BreakFolderAt(keras.callbacks.Callback):
+    """As train batch `EPOCH:BATCH` (1-based) starts, the backup folder
+    goes (its disk lost) and a file takes its path: the next backup cannot
+    be written."""
+
+    def __init__(self, spec, folder):
+        super().__init__()
+        self.at = tuple(map(int, spec.split(":")))
+        self.folder, self.epoch = folder, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            with open(self.folder, "w") as f:
+                f.write("not a folder")
+
+
 class Trace(keras.callbacks.Callback):
     """Appends the state at every train batch end and epoch end."""
 
@@ -179,6 +203,9 @@ def parse(argv):
     parser.add_argument("--save-freq", default="epoch")
     parser.add_argument("--kill", help="EPOCH:BATCH or vEPOCH:BATCH")
     parser.add_argument("--samples", type=int, default=56)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--steps", type=int, default=4, help="N")
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--no-flush", action="store_true",
@@ -204,6 +231,9 @@ def parse(argv):
                         help="MultiWorkerMirroredStrategy (TF_CONFIG)")
     parser.add_argument("--file-url", action="store_true",
                         help="BACKUP_DIR as a file:// URL")
+    parser.add_argument("--break-backup-dir", help="EPOCH:BATCH: the backup "
+                        "folder replaced by a file as that train batch "
+                        "(1-based) starts")
     parser.add_argument("--trace", help="a file for the state at every "
                         "batch and epoch end")
     return parser.parse_args(argv)
@@ -237,7 +267,11 @@ def build(args):
         for name in args.metrics
     ]
     model.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=metrics,
+        optimizer=(
+            keras.optimizers.Adam(0.01) if args.optimizer == "adam"
+            else keras.optimizers.SGD(0.05, momentum=0.9)
+        ),
+        loss="mse", metrics=metrics,
         steps_per_execution=args.steps_per_execution,
     )
     return model
@@ -253,7 +287,7 @@ def data(args):
 
 def fit(model, args, callbacks):
     x, y, x_val, y_val = data(args)
-    kwargs = dict(epochs=3, callbacks=callbacks, verbose=0)
+    kwargs = dict(epochs=args.epochs, callbacks=callbacks, verbose=0)
     if args.data in ("unknown", "shuffled", "shuffled-global"):
         def dataset(*arrays, train=True):
             pipeline = tf.data.Dataset.from_tensor_slices(arrays)
@@ -262,7 +296,7 @@ def fit(model, args, callbacks):
             elif train:
                 seed = 3 if args.data == "shuffled" else None
                 pipeline = pipeline.shuffle(len(arrays[0]), seed=seed)
-            return pipeline.batch(8)
+            return pipeline.batch(args.batch_size)
 
         validation = (
             dataset(x_val, y_val, train=False) if args.validation else None
@@ -273,7 +307,8 @@ def fit(model, args, callbacks):
             x, y = x[::-1], y[::-1]
         validation = (x_val, y_val) if args.validation else None
         model.fit(
-            x, y, batch_size=8, shuffle=args.data == "shuffled-arrays",
+            x, y, batch_size=args.batch_size,
+            shuffle=args.data == "shuffled-arrays",
             validation_data=validation, **kwargs,
         )
     return model
@@ -312,6 +347,8 @@ def main(argv):
         callbacks.append(TermAt(args.term))
     if args.trace:
         callbacks.append(Trace(args.trace))
+    if args.break_backup_dir:
+        callbacks.append(BreakFolderAt(args.break_backup_dir, args.backup_dir))
     with strategy.scope():
         model = build(args)
     model = fit(model, args, callbacks)
