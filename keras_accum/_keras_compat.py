@@ -84,7 +84,10 @@ _MODULE_NAMES = (
 
 # Attributes of Keras' classes: (name, the class, its attributes read).
 _CLASS_ATTRIBUTES = (
-    ("Model", lambda: keras.Model, "_symbolic_build _maybe_symbolic_build"),
+    (
+        "Model", lambda: keras.Model,
+        "_symbolic_build _maybe_symbolic_build _get_metrics_result_or_logs",
+    ),
     ("Layer", lambda: keras.layers.Layer, "_flatten_layers _get_call_context"),
     ("BatchNormalization", lambda: keras.layers.BatchNormalization, "_moments"),
     (
@@ -116,6 +119,12 @@ _USES = (
         "called by `fit()` with its epoch iterator",
         lambda: keras.Model.fit,
         "_maybe_symbolic_build",
+    ),
+    (
+        "Model._get_metrics_result_or_logs",
+        "what `fit()` logs at an epoch's end",
+        lambda: keras.Model.fit,
+        "_get_metrics_result_or_logs",
     ),
     (
         "Model._initial_epoch",
@@ -641,6 +650,21 @@ def replay_epochs(epoch_iterator, epochs):
 
 class TrainerHooks:
     """Overrides of private `keras.Model` methods; mixed in before it."""
+
+    # The keys keras_accum adds to a train step's logs.
+    own_log_keys = ("updates", "remat")
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras logs the metrics' results where a step's logs have the same
+        # keys, else the last step's logs: with the keys keras_accum adds,
+        # the latter, which under a strategy average the replicas' results
+        # instead of reading each metric across them (as `keras.Model`).
+        if not isinstance(logs, dict):
+            return super()._get_metrics_result_or_logs(logs)
+        own = {k: v for k, v in logs.items() if k in self.own_log_keys}
+        rest = {k: v for k, v in logs.items() if k not in own}
+        result = super()._get_metrics_result_or_logs(rest)
+        return dict(result, **own) if isinstance(result, dict) else result
 
     def build_before_tracing(self):
         """Whether `fit()` and `evaluate()` build the model (and its

@@ -160,6 +160,11 @@ _AT_IMPORT = [
     ("SymbolicArguments", None, "SymbolicArguments"),
     ("_symbolic_build", None, "Model._symbolic_build"),
     ("_maybe_symbolic_build", None, "Model._maybe_symbolic_build"),
+    (
+        "_get_metrics_result_or_logs",
+        None,
+        "Model._get_metrics_result_or_logs",
+    ),
     ("_flatten_layers", None, "Layer._flatten_layers"),
     ("_get_call_context", None, "Layer._get_call_context"),
     ("_moments", None, "BatchNormalization._moments"),
@@ -200,6 +205,7 @@ def test_renamed_at_import(monkeypatch, old, where, internal):
     [
         ("Model", "fit", "_maybe_symbolic_build", None),
         ("Model", "fit", "_initial_epoch", None),
+        ("Model", "fit", "_get_metrics_result_or_logs", None),
         ("BatchNormalization", "call", "_moments", None),
         ("Functional", "call", "_run_through_graph", None),
         ("CompileLoss", "call", "_flat_losses", None),
